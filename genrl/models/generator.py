@@ -1,0 +1,92 @@
+"""The Generator protocol (DESIGN.md section 3) and its implementation over genrl's own DiT.
+
+Every backbone (the built-in DiT, and the diffusers families that plug in later) exposes the same small
+surface, so the rollout sampler, the losses and every method are written once:
+
+- ``encode_prompts(list[str]) -> Conditioning`` (cached),
+- ``velocity(x, sigma, cond) -> v`` with sigma [B] or per frame [B, T],
+- ``decode(latents) -> pixels`` and ``encode(pixels) -> latents``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from genrl.models.codec import PixelCodec
+from genrl.models.dit import VideoDiT
+from genrl.models.text_encoder import Conditioning, TextEncoder
+
+__all__ = ["Generator", "DiTGenerator"]
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """What the sampler and the methods need from a generator, whatever the backbone."""
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning: ...
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, **kwargs) -> torch.Tensor: ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+
+class DiTGenerator(nn.Module):
+    """genrl's small video DiT + a text encoder + the pixel codec, behind the Generator protocol.
+
+    The text encoder is frozen and deliberately kept *outside* this module's children: it is not
+    trained, not checkpointed with the method and not wrapped by distributed strategies; it follows
+    the transformer's device lazily.
+
+    Args:
+        transformer: the :class:`VideoDiT` (trainable role).
+        text_encoder: a :class:`TextEncoder` whose hidden size equals ``transformer.config.text_dim``.
+        codec: maps pixels to latents (defaults to :class:`PixelCodec`).
+    Raises:
+        ValueError: the text encoder width does not match the transformer's ``text_dim``.
+    """
+
+    def __init__(self, transformer: VideoDiT, text_encoder: TextEncoder, codec: nn.Module | None = None) -> None:
+        super().__init__()
+        if text_encoder.hidden_size != transformer.config.text_dim:
+            raise ValueError(
+                f"text encoder width {text_encoder.hidden_size} != transformer text_dim "
+                f"{transformer.config.text_dim}; build the transformer with text_dim={text_encoder.hidden_size}"
+            )
+        self.transformer = transformer
+        self.codec = codec if codec is not None else PixelCodec(transformer.config.in_channels)
+        object.__setattr__(self, "text_encoder", text_encoder)  # not a child: frozen, never checkpointed
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """B prompts -> :class:`Conditioning` on the transformer's device (float32 states, bool mask)."""
+        if next(self.text_encoder.parameters()).device != self.device:
+            self.text_encoder.to(self.device)
+        return self.text_encoder(prompts)
+
+    def velocity(
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, attention: str = "bidirectional"
+    ) -> torch.Tensor:
+        """Velocity ``v = eps - x0`` at ``x`` [B, T, C, H, W] and sigma [B] or [B, T] in [0, 1].
+
+        Raises:
+            ValueError: batch of ``cond`` differs from ``x`` (and the transformer's own shape checks).
+        """
+        if len(cond) != x.shape[0]:
+            raise ValueError(f"conditioning holds {len(cond)} prompts for a batch of {x.shape[0]} latents")
+        return self.transformer(x, sigma, cond.hidden_states, cond.attention_mask, attention=attention)
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, T, C, H, W] in [0, 1] -> latents (native layout of the codec)."""
+        return self.codec.encode(pixels)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents -> pixels float32 [B, T, C, H, W] in [0, 1]."""
+        return self.codec.decode(latents)

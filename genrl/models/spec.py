@@ -1,0 +1,78 @@
+"""Typed model specs: how a method's config names a role's network (class, weights or init values)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ModelSpec", "import_class"]
+
+
+def import_class(class_path: str) -> type:
+    """Import ``"package.module.Class"``; raises ValueError naming the path when it does not resolve."""
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot import model class {class_path!r}: {e}") from e
+
+
+@dataclass
+class ModelSpec:
+    """A network role in a config: a diffusers-style class built from weights or from plain values.
+
+    Attributes:
+        class_path: import path of a ``ModelMixin`` / ``ConfigMixin`` class (default: genrl's VideoDiT).
+        pretrained: local folder written by ``save_pretrained`` (no hub ids: nothing is downloaded), or
+            None to build from ``init_args`` with random weights.
+        subfolder: subfolder inside ``pretrained`` (e.g. ``"transformer"`` of a diffusers pipeline folder).
+        init_args: constructor values when ``pretrained`` is None, or config overrides are not allowed
+            with ``pretrained`` (the weights fix the architecture).
+        gradient_checkpointing: enable activation checkpointing per block.
+    """
+
+    class_path: str = "genrl.models.dit.VideoDiT"
+    pretrained: str | None = None
+    subfolder: str | None = None
+    init_args: dict[str, Any] = field(default_factory=dict)
+    gradient_checkpointing: bool = False
+
+    def build(self) -> nn.Module:
+        """Instantiate the network.
+
+        Raises:
+            FileNotFoundError: ``pretrained`` does not exist or holds no ``config.json`` (names the folder).
+            ValueError: unknown class or unknown ``init_args`` keys (names them and lists the valid ones), or
+                ``init_args`` given together with ``pretrained``.
+        """
+        cls = import_class(self.class_path)
+        if self.pretrained is not None:
+            if self.init_args:
+                raise ValueError(
+                    f"init_args {sorted(self.init_args)} given together with pretrained={self.pretrained!r}; "
+                    f"the checkpoint's config fixes the architecture, drop init_args"
+                )
+            folder = Path(self.pretrained).expanduser()
+            cfg_dir = folder / self.subfolder if self.subfolder else folder
+            if not (cfg_dir / "config.json").is_file():
+                raise FileNotFoundError(
+                    f"no model weights at {str(cfg_dir)!r} (expected config.json and *.safetensors written by "
+                    f"save_pretrained); check the path, or set pretrained: null to train from scratch"
+                )
+            kwargs = {"subfolder": self.subfolder} if self.subfolder else {}
+            model = cls.from_pretrained(str(folder), local_files_only=True, **kwargs)
+        else:
+            params = inspect.signature(cls.__init__).parameters
+            unknown = sorted(set(self.init_args) - set(params))
+            if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                valid = [p for p in params if p != "self"]
+                raise ValueError(f"unknown init_args {unknown} for {self.class_path}; valid: {valid}")
+            model = cls(**self.init_args)
+        if self.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        return model

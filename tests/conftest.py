@@ -1,0 +1,55 @@
+"""Shared test fixtures: offline, two threads, tiny models built from config values (no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+TINY_WORDS = (
+    "a an the red green blue yellow magenta cyan white orange circle square triangle moving moves then "
+    "left right up down still staying slowly quickly , ."
+).split()
+
+
+def build_tiny_text_encoder(folder, hidden_size: int = 16) -> str:
+    """Save a tiny random BERT + a word-level tokenizer to ``folder`` (loadable by TextEncoder.from_pretrained)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    vocab = {w: i for i, w in enumerate(specials + TINY_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        model_max_length=32,
+    )
+    torch.manual_seed(0)
+    model = BertModel(
+        BertConfig(
+            vocab_size=len(vocab), hidden_size=hidden_size, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=64,
+        )
+    )
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_encoder(tmp_path_factory) -> str:
+    return build_tiny_text_encoder(tmp_path_factory.mktemp("tiny_bert"))
+
+
+TINY_DIT = dict(hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=16, patch_size=[2, 2, 2])
