@@ -61,6 +61,20 @@ class DiTGenerator(nn.Module):
         self.codec = codec if codec is not None else PixelCodec(transformer.config.in_channels)
         object.__setattr__(self, "text_encoder", text_encoder)  # not a child: frozen, never checkpointed
 
+    @classmethod
+    def from_pretrained(
+        cls, path: str, text_encoder: str = "minilm", max_text_length: int = 32, subfolder: str | None = None
+    ) -> "DiTGenerator":
+        """Load a transformer saved with ``save_pretrained`` (e.g. ``assets/shapes-dit``) plus a text encoder.
+
+        Raises:
+            FileNotFoundError: no weights at ``path`` or no text-encoder folder (each names the path).
+        """
+        from genrl.models.spec import ModelSpec
+
+        transformer = ModelSpec(pretrained=path, subfolder=subfolder).build().eval()
+        return cls(transformer, TextEncoder.from_pretrained(text_encoder, max_length=max_text_length))
+
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device

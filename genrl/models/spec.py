@@ -27,19 +27,19 @@ class ModelSpec:
     """A network role in a config: a diffusers-style class built from weights or from plain values.
 
     Attributes:
-        class_path: import path of a ``ModelMixin`` / ``ConfigMixin`` class (default: genrl's VideoDiT).
+        model_class: import path of a ``ModelMixin`` / ``ConfigMixin`` class (default: genrl's VideoDiT).
         pretrained: local folder written by ``save_pretrained`` (no hub ids: nothing is downloaded), or
-            None to build from ``init_args`` with random weights.
+            None to build from ``config`` with random weights.
         subfolder: subfolder inside ``pretrained`` (e.g. ``"transformer"`` of a diffusers pipeline folder).
-        init_args: constructor values when ``pretrained`` is None, or config overrides are not allowed
+        config: constructor values (the diffusers config) when ``pretrained`` is None; not allowed
             with ``pretrained`` (the weights fix the architecture).
         gradient_checkpointing: enable activation checkpointing per block.
     """
 
-    class_path: str = "genrl.models.dit.VideoDiT"
+    model_class: str = "genrl.models.dit.VideoDiT"
     pretrained: str | None = None
     subfolder: str | None = None
-    init_args: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
     gradient_checkpointing: bool = False
 
     def build(self) -> nn.Module:
@@ -47,15 +47,15 @@ class ModelSpec:
 
         Raises:
             FileNotFoundError: ``pretrained`` does not exist or holds no ``config.json`` (names the folder).
-            ValueError: unknown class or unknown ``init_args`` keys (names them and lists the valid ones), or
-                ``init_args`` given together with ``pretrained``.
+            ValueError: unknown class or unknown ``config`` keys (names them and lists the valid ones), or
+                ``config`` given together with ``pretrained``.
         """
-        cls = import_class(self.class_path)
+        cls = import_class(self.model_class)
         if self.pretrained is not None:
-            if self.init_args:
+            if self.config:
                 raise ValueError(
-                    f"init_args {sorted(self.init_args)} given together with pretrained={self.pretrained!r}; "
-                    f"the checkpoint's config fixes the architecture, drop init_args"
+                    f"config {sorted(self.config)} given together with pretrained={self.pretrained!r}; "
+                    f"the checkpoint's config fixes the architecture, drop config"
                 )
             folder = Path(self.pretrained).expanduser()
             cfg_dir = folder / self.subfolder if self.subfolder else folder
@@ -68,11 +68,11 @@ class ModelSpec:
             model = cls.from_pretrained(str(folder), local_files_only=True, **kwargs)
         else:
             params = inspect.signature(cls.__init__).parameters
-            unknown = sorted(set(self.init_args) - set(params))
+            unknown = sorted(set(self.config) - set(params))
             if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
                 valid = [p for p in params if p != "self"]
-                raise ValueError(f"unknown init_args {unknown} for {self.class_path}; valid: {valid}")
-            model = cls(**self.init_args)
+                raise ValueError(f"unknown config keys {unknown} for {self.model_class}; valid: {valid}")
+            model = cls(**self.config)
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         return model

@@ -1,0 +1,3 @@
+from genrl.cli import main
+
+main()

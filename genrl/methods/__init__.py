@@ -1,0 +1,5 @@
+"""One LightningModule per method; methods compose the shared sampler, losses and rewards."""
+
+from genrl.methods.pretrain import FlowMatchingPretrain
+
+__all__ = ["FlowMatchingPretrain"]
