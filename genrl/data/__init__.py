@@ -1,0 +1,26 @@
+"""LightningDataModules and data IO for genrl (see DESIGN.md section 1, ``data/``)."""
+
+from genrl.data.shapes import ShapeSpec, ShapesWorldConfig
+from genrl.data.shapes_datamodule import ShapesDataModule
+from genrl.data.video_folder import VideoFolderDataModule, VideoFolderDataset, collate_videos
+from genrl.data.video_io import (
+    VideoInfo,
+    VideoReadError,
+    probe_video,
+    read_video,
+    write_video,
+)
+
+__all__ = [
+    "ShapeSpec",
+    "ShapesDataModule",
+    "ShapesWorldConfig",
+    "VideoFolderDataModule",
+    "VideoFolderDataset",
+    "VideoInfo",
+    "VideoReadError",
+    "collate_videos",
+    "probe_video",
+    "read_video",
+    "write_video",
+]

@@ -1,0 +1,618 @@
+"""The procedural shapes world: short videos of one colored shape that moves, with exact captions.
+
+This is genrl's embedded default world (DESIGN.md section 4). Everything here is a pure function of its
+arguments: no Lightning, no global RNG. A sample is addressed by ``(seed, index)``:
+
+    pixels, caption, spec = sample(config, seed=0, index=17)
+
+draws from a ``torch.Generator`` seeded with ``sample_seed(seed, index)`` (SplitMix64 of the two ints, the
+same hash as ``genrl.rollout.noise.mix_seed(seed, index)``), so sample 17 is bit-identical whatever batch it
+lands in.
+
+Geometry and units:
+
+* Pixels are float32 ``[T, 3, H, W]`` in [0, 1], black background, RGB colors from :data:`PALETTE`.
+* Pixel ``(row i, column j)`` covers ``[j, j + 1) x [i, i + 1)`` in continuous pixel coordinates; ``y`` grows
+  downwards, so "up" is ``-y``.
+* Every shape fits an axis-aligned ``object_size x object_size`` box: circle (diameter), square (side),
+  triangle (pointing up: apex at the top-center of the box, base along its bottom edge), diamond
+  (diagonals). Rendering is anti-aliased by 4x4 supersampling and box averaging; positions are subpixel.
+* Speeds are in pixels per frame **at the configured resolution**; they are not rescaled with
+  ``height`` / ``width``. The defaults (slow 0.6, fast 1.2 px/frame) move a 6 px object 4.2 / 8.4 px over
+  8 frames, which fits a 16 x 16 frame (fast needs ``7 * 1.2 + 6 = 14.4 <= 16`` px) and keeps the two
+  speeds 0.6 px/frame apart for the verifier. At a larger resolution raise them yourself if you want the
+  same relative motion; :class:`ShapesWorldConfig` refuses values whose path leaves the frame.
+
+Captions (``caption`` / ``parse_caption`` are exact inverses):
+
+* single step:  ``"a red circle moving left slowly"``, ``"a red circle moving up quickly"``,
+  ``"a red circle staying still"`` (and ``"a red circle moving left"`` when no speed is stated: it is
+  rendered at the mean of the configured speeds);
+* two steps:    ``"a red circle moves right, then moves up"`` / ``"..., then stays still"``: the first half of
+  the frames follows direction 1, the second half direction 2, at the mean speed;
+* image mode (``num_frames = 1``): ``"a red circle"``.
+
+Held-out split: a fixed (seed-independent) set of (color, shape, direction) combinations, about
+``heldout_fraction`` of all of them, chosen by a stable hash of their names such that every single
+attribute value and every pair of values still appears in training. A caption is held out iff its
+(color, shape, first direction) is.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "PALETTE",
+    "KNOWN_SHAPES",
+    "KNOWN_DIRECTIONS",
+    "SPEED_ADVERBS",
+    "DIRECTION_VECTORS",
+    "ShapesWorldConfig",
+    "ShapeSpec",
+    "Split",
+    "caption",
+    "parse_caption",
+    "render",
+    "trajectory",
+    "combos",
+    "heldout_combos",
+    "is_heldout",
+    "sample_spec",
+    "sample_seed",
+    "sample",
+    "heldout_prompts",
+]
+
+Split = Literal["train", "heldout", "all"]
+
+#: Known colors (RGB in [0, 1]; every entry has max channel 1, which the verifier relies on). The first six
+#: are the default world; white / orange / pink are opt-in extras; crimson (near red) and teal (near cyan)
+#: are opt-in "close hues" that make color a harder attribute.
+PALETTE: dict[str, tuple[float, float, float]] = {
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 1.0, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 1.0, 0.0),
+    "magenta": (1.0, 0.0, 1.0),
+    "cyan": (0.0, 1.0, 1.0),
+    "white": (1.0, 1.0, 1.0),
+    "orange": (1.0, 0.5, 0.0),
+    "pink": (1.0, 0.45, 0.7),
+    "crimson": (1.0, 0.0, 0.35),
+    "teal": (0.0, 1.0, 0.7),
+}
+
+#: Known shapes; "diamond" is an opt-in extra (the default world uses circle, square, triangle).
+KNOWN_SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
+
+#: Known motion directions and their unit vectors in pixel coordinates (x right, y down).
+KNOWN_DIRECTIONS: tuple[str, ...] = ("left", "right", "up", "down", "still")
+DIRECTION_VECTORS: dict[str, tuple[float, float]] = {
+    "left": (-1.0, 0.0),
+    "right": (1.0, 0.0),
+    "up": (0.0, -1.0),
+    "down": (0.0, 1.0),
+    "still": (0.0, 0.0),
+}
+
+#: Known speed names and the adverb captions use for them.
+SPEED_ADVERBS: dict[str, str] = {"slow": "slowly", "medium": "steadily", "fast": "quickly"}
+
+_SUPERSAMPLE = 4
+_MASK64 = (1 << 64) - 1
+
+
+def _known(kind: str, words: list[str], known) -> None:
+    for w in words:
+        if w not in known:
+            raise ValueError(f"unknown {kind} {w!r} in ShapesWorldConfig; known {kind}s: {', '.join(known)}")
+    if len(set(words)) != len(words):
+        raise ValueError(f"ShapesWorldConfig {kind}s contain duplicates: {words}")
+    if not words:
+        raise ValueError(f"ShapesWorldConfig needs at least one {kind}; known {kind}s: {', '.join(known)}")
+
+
+@dataclass
+class ShapesWorldConfig:
+    """Configuration of the shapes world (plain typed values: usable directly as a LightningCLI config).
+
+    Attributes:
+        height, width: frame size in pixels (>= 4 each).
+        num_frames: frames per video T (>= 1). ``1`` is image mode: no motion, captions "a red circle".
+        colors: color words, each a key of :data:`PALETTE`.
+        shapes: shape words, each in :data:`KNOWN_SHAPES`.
+        directions: motion words, each in :data:`KNOWN_DIRECTIONS` (ignored in image mode).
+        speeds: speed name (a key of :data:`SPEED_ADVERBS`) -> pixels per frame at this resolution, > 0 and
+            distinct. Captions say "slowly" / "steadily" / "quickly". Not rescaled with resolution.
+        object_size: side of the shape's bounding box in pixels (2 <= size <= min(height, width)).
+        multi_step_prob: fraction of video captions with two motion segments (needs num_frames >= 4 and two
+            directions when > 0; ignored in image mode).
+        heldout_fraction: fraction of (color, shape, direction) combinations held out of training, in [0, 0.5].
+
+    Raises:
+        ValueError: an unknown or duplicated word (the message names it and lists the known ones), a
+            non-positive or duplicated speed, an object larger than the frame, a motion path that leaves the
+            frame (``(num_frames - 1) * max(speeds) + object_size > min(height, width)``), or a probability /
+            fraction out of range.
+    """
+
+    height: int = 16
+    width: int = 16
+    num_frames: int = 8
+    colors: list[str] = field(default_factory=lambda: ["red", "green", "blue", "yellow", "magenta", "cyan"])
+    shapes: list[str] = field(default_factory=lambda: ["circle", "square", "triangle"])
+    directions: list[str] = field(default_factory=lambda: ["left", "right", "up", "down", "still"])
+    speeds: dict[str, float] = field(default_factory=lambda: {"slow": 0.6, "fast": 1.2})
+    object_size: float = 6.0
+    multi_step_prob: float = 0.2
+    heldout_fraction: float = 0.15
+
+    def __post_init__(self) -> None:
+        self.colors = [str(c).lower() for c in self.colors]
+        self.shapes = [str(s).lower() for s in self.shapes]
+        self.directions = [str(d).lower() for d in self.directions]
+        self.speeds = {str(k).lower(): float(v) for k, v in dict(self.speeds).items()}
+        for name in ("height", "width", "num_frames"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"ShapesWorldConfig.{name} must be an int, got {value!r}")
+        if self.height < 4 or self.width < 4:
+            raise ValueError(f"frames must be at least 4x4 pixels, got {self.height}x{self.width}")
+        if self.num_frames < 1:
+            raise ValueError(f"num_frames must be >= 1 (1 = image mode), got {self.num_frames}")
+        _known("color", self.colors, tuple(PALETTE))
+        _known("shape", self.shapes, KNOWN_SHAPES)
+        _known("direction", self.directions, KNOWN_DIRECTIONS)
+        side = min(self.height, self.width)
+        if not (2.0 <= self.object_size <= side):
+            raise ValueError(
+                f"object_size={self.object_size} px does not fit a {self.height}x{self.width} frame; "
+                f"use 2 <= object_size <= {side}"
+            )
+        if not 0.0 <= self.multi_step_prob <= 1.0:
+            raise ValueError(f"multi_step_prob must be in [0, 1], got {self.multi_step_prob}")
+        if not 0.0 <= self.heldout_fraction <= 0.5:
+            raise ValueError(f"heldout_fraction must be in [0, 0.5], got {self.heldout_fraction}")
+        if self.image_mode:
+            return
+        for name in self.speeds:
+            if name not in SPEED_ADVERBS:
+                raise ValueError(
+                    f"unknown speed {name!r} in ShapesWorldConfig; known speeds: {', '.join(SPEED_ADVERBS)}"
+                )
+        if not self.speeds:
+            raise ValueError("a video world (num_frames > 1) needs at least one speed, e.g. {'slow': 0.6}")
+        values = sorted(self.speeds.values())
+        if values[0] <= 0 or any(not math.isfinite(v) for v in values):
+            raise ValueError(f"speeds must be finite and > 0 px/frame, got {self.speeds}")
+        if any(b - a < 1e-6 for a, b in zip(values, values[1:])):
+            raise ValueError(f"speeds must be distinct, got {self.speeds}")
+        travel = (self.num_frames - 1) * values[-1]
+        if travel + self.object_size > side:
+            raise ValueError(
+                f"a {self.object_size:g} px object moving {values[-1]:g} px/frame for {self.num_frames} frames "
+                f"travels {travel:g} px and leaves a {self.height}x{self.width} frame; lower the speeds, "
+                f"object_size or num_frames, or raise the resolution"
+            )
+        if self.multi_step_prob > 0:
+            if self.num_frames < 4:
+                raise ValueError(
+                    f"multi-step captions need num_frames >= 4 (two frames per segment), got {self.num_frames}; "
+                    f"set multi_step_prob=0"
+                )
+            if len(self.directions) < 2:
+                raise ValueError("multi-step captions need at least two directions; set multi_step_prob=0")
+
+    @property
+    def image_mode(self) -> bool:
+        """True when ``num_frames == 1``: no motion, captions "a red circle"."""
+        return self.num_frames == 1
+
+    @property
+    def mean_speed(self) -> float:
+        """Mean of the configured speeds (px/frame): the speed of multi-step and speed-less captions."""
+        return sum(self.speeds.values()) / len(self.speeds) if self.speeds else 0.0
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """The hidden state of one sample.
+
+    Attributes:
+        color: a color word.
+        shape: a shape word.
+        directions: ``()`` in image mode (or for a caption that states no motion), one direction for a
+            single-step caption, two for a multi-step caption.
+        speed: a speed name for a moving single-step caption that states one; ``None`` when still,
+            multi-step, image mode, or unstated (rendered at the mean speed).
+
+    Raises:
+        ValueError: more than two directions, or a speed with a still / multi-step / motionless spec.
+    """
+
+    color: str
+    shape: str
+    directions: tuple[str, ...] = ()
+    speed: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directions", tuple(self.directions))
+        if len(self.directions) > 2:
+            raise ValueError(f"a ShapeSpec has at most two motion segments, got {self.directions}")
+        if self.speed is not None and (len(self.directions) != 1 or self.directions[0] == "still"):
+            raise ValueError(
+                f"speed {self.speed!r} only applies to a single moving segment, got directions {self.directions}"
+            )
+
+    @property
+    def multi_step(self) -> bool:
+        """True for two motion segments."""
+        return len(self.directions) == 2
+
+
+# Plain-value dataclasses: allow them in checkpoints loaded with torch.load(weights_only=True).
+torch.serialization.add_safe_globals([ShapesWorldConfig, ShapeSpec])
+
+
+# ---------------------------------------------------------------------------------------------- captions
+def caption(spec: ShapeSpec) -> str:
+    """The caption of a spec, e.g. ``"a red circle moving left slowly"`` (see the module docstring).
+
+    Raises:
+        ValueError: an unknown speed name.
+    """
+    article = "an" if spec.color[:1] in "aeiou" else "a"
+    base = f"{article} {spec.color} {spec.shape}"
+    if not spec.directions:
+        return base
+    if len(spec.directions) == 1:
+        d = spec.directions[0]
+        if d == "still":
+            return f"{base} staying still"
+        if spec.speed is None:
+            return f"{base} moving {d}"
+        if spec.speed not in SPEED_ADVERBS:
+            raise ValueError(f"unknown speed {spec.speed!r}; known speeds: {', '.join(SPEED_ADVERBS)}")
+        return f"{base} moving {d} {SPEED_ADVERBS[spec.speed]}"
+    segs = ["stays still" if d == "still" else f"moves {d}" for d in spec.directions]
+    return f"{base} {segs[0]}, then {segs[1]}"
+
+
+_FORMS = "'a red circle moving left slowly', 'a red circle staying still', 'a red circle moves right, then moves up'"
+
+
+def parse_caption(text: str, config: ShapesWorldConfig | None = None) -> ShapeSpec:
+    """Invert :func:`caption`: case- and whitespace-tolerant, accepts "a" or "an" and a final period.
+
+    Args:
+        text: a caption.
+        config: the world whose vocabulary is allowed (default: ``ShapesWorldConfig()``).
+
+    Returns:
+        The :class:`ShapeSpec` (``speed=None`` when the caption states none).
+
+    Raises:
+        ValueError: an unknown color / shape / direction / speed word (the message names the word, quotes the
+            caption and lists the known words), or a caption that does not have one of the forms above.
+    """
+    config = config or ShapesWorldConfig()
+    if not isinstance(text, str):
+        raise ValueError(f"a caption must be a string, got {type(text).__name__}: {text!r}")
+    norm = " ".join(text.strip().lower().replace(",", " , ").split())
+    if norm.endswith("."):
+        norm = norm[:-1].rstrip()
+    tok = norm.split()
+
+    def malformed(why: str) -> ValueError:
+        return ValueError(f"malformed caption {text!r} ({why}); expected forms: {_FORMS}")
+
+    if len(tok) < 3 or tok[0] not in ("a", "an"):
+        raise malformed("it must start with 'a <color> <shape>'")
+    color, shape, rest = tok[1], tok[2], tok[3:]
+    if color not in config.colors:
+        if color in config.shapes:
+            raise malformed(f"no color word before the shape {color!r}")
+        raise ValueError(f"unknown color {color!r} in caption {text!r}; known colors: {', '.join(config.colors)}")
+    if shape not in config.shapes:
+        raise ValueError(f"unknown shape {shape!r} in caption {text!r}; known shapes: {', '.join(config.shapes)}")
+
+    def direction(word: str) -> str:
+        if word not in config.directions:
+            raise ValueError(
+                f"unknown direction {word!r} in caption {text!r}; known directions: {', '.join(config.directions)}"
+            )
+        return word
+
+    def segment(words: list[str]) -> str:
+        if words == ["stays", "still"]:
+            return direction("still")
+        if len(words) == 2 and words[0] == "moves" and words[1] != "still":
+            return direction(words[1])
+        raise malformed(f"cannot read the segment {' '.join(words)!r}")
+
+    if not rest:
+        return ShapeSpec(color, shape)
+    if rest == ["staying", "still"]:
+        return ShapeSpec(color, shape, (direction("still"),))
+    if rest[0] == "moving" and len(rest) in (2, 3) and rest[1] != "still":
+        d = direction(rest[1])
+        if len(rest) == 2:
+            return ShapeSpec(color, shape, (d,))
+        by_adverb = {SPEED_ADVERBS[s]: s for s in config.speeds if s in SPEED_ADVERBS}
+        if rest[2] not in by_adverb:
+            raise ValueError(
+                f"unknown speed word {rest[2]!r} in caption {text!r}; known speed words: {', '.join(by_adverb)}"
+            )
+        return ShapeSpec(color, shape, (d,), by_adverb[rest[2]])
+    if "," in rest:
+        i = rest.index(",")
+        first, second = rest[:i], rest[i + 1 :]
+        if second[:1] != ["then"]:
+            raise malformed("two segments are joined by ', then'")
+        return ShapeSpec(color, shape, (segment(first), segment(second[1:])))
+    raise malformed(f"cannot read the motion {' '.join(rest)!r}")
+
+
+# ---------------------------------------------------------------------------------------------- rendering
+def trajectory(spec: ShapeSpec, config: ShapesWorldConfig) -> Tensor:
+    """Offsets of the shape's box center from frame 0, float32 ``[T, 2]`` as (x, y) in pixels.
+
+    Single segment: ``p(t) = v t``. Two segments: ``p(t) = v1 min(t, m) + v2 max(t - m, 0)`` with
+    ``m = (T - 1) / 2``, so frames ``t <= m`` follow direction 1 and frames ``t >= m`` direction 2. Speeds:
+    the named speed, else the mean of the configured speeds.
+    """
+    t = torch.arange(config.num_frames, dtype=torch.float64)
+    out = torch.zeros(config.num_frames, 2, dtype=torch.float64)
+    if not spec.directions or config.image_mode:
+        return out.float()
+    v = config.speeds[spec.speed] if spec.speed is not None else config.mean_speed
+    u1 = torch.tensor(DIRECTION_VECTORS[spec.directions[0]], dtype=torch.float64)
+    if len(spec.directions) == 1:
+        return (v * t[:, None] * u1).float()
+    m = (config.num_frames - 1) / 2
+    u2 = torch.tensor(DIRECTION_VECTORS[spec.directions[1]], dtype=torch.float64)
+    out = v * (t.clamp(max=m)[:, None] * u1 + (t - m).clamp(min=0)[:, None] * u2)
+    return out.float()
+
+
+def _coverage(shape: str, centers: Tensor, config: ShapesWorldConfig) -> Tensor:
+    """Anti-aliased coverage ``[T, H, W]`` in [0, 1] of a shape whose box centers are ``centers`` [T, 2]."""
+    s, k = float(config.object_size), _SUPERSAMPLE
+    xs = (torch.arange(config.width * k, dtype=torch.float32) + 0.5) / k
+    ys = (torch.arange(config.height * k, dtype=torch.float32) + 0.5) / k
+    dx = xs[None, None, :] - centers[:, 0, None, None]  # [T, 1, Wk]
+    dy = ys[None, :, None] - centers[:, 1, None, None]  # [T, Hk, 1]
+    h = s / 2
+    if shape == "circle":
+        inside = dx * dx + dy * dy <= h * h
+    elif shape == "square":
+        inside = (dx.abs() <= h) & (dy.abs() <= h)
+    elif shape == "triangle":  # apex at (0, -h), base y = +h from x = -h to +h
+        inside = (dy <= h) & (dx.abs() <= (dy + h) / 2)
+    elif shape == "diamond":
+        inside = dx.abs() + dy.abs() <= h
+    else:
+        raise ValueError(f"unknown shape {shape!r}; known shapes: {', '.join(KNOWN_SHAPES)}")
+    inside = inside.float()
+    return torch.nn.functional.avg_pool2d(inside[:, None], k)[:, 0]
+
+
+def render(spec: ShapeSpec, config: ShapesWorldConfig, generator: torch.Generator) -> Tensor:
+    """Render one video of ``spec``.
+
+    The start position is drawn uniformly (two ``torch.rand`` draws from ``generator``) among the positions
+    that keep the whole trajectory's bounding boxes inside the frame.
+
+    Args:
+        spec: what to draw; its words must be in ``config``.
+        config: the world.
+        generator: a CPU ``torch.Generator``; the only source of randomness.
+
+    Returns:
+        float32 ``[T, 3, H, W]`` in [0, 1] (black background).
+
+    Raises:
+        ValueError: a word of ``spec`` that ``config`` does not allow, or motion in image mode.
+    """
+    if spec.color not in config.colors:
+        raise ValueError(f"unknown color {spec.color!r}; known colors: {', '.join(config.colors)}")
+    if spec.shape not in config.shapes:
+        raise ValueError(f"unknown shape {spec.shape!r}; known shapes: {', '.join(config.shapes)}")
+    for d in spec.directions:
+        if d not in config.directions:
+            raise ValueError(f"unknown direction {d!r}; known directions: {', '.join(config.directions)}")
+    if spec.speed is not None and spec.speed not in config.speeds:
+        raise ValueError(f"unknown speed {spec.speed!r}; known speeds: {', '.join(config.speeds)}")
+    if config.image_mode and spec.directions:
+        raise ValueError(f"image mode (num_frames=1) cannot render motion {spec.directions}")
+    offsets = trajectory(spec, config)  # [T, 2]
+    h = config.object_size / 2
+    lo, hi = offsets.min(0).values, offsets.max(0).values
+    size = torch.tensor([config.width, config.height], dtype=torch.float32)
+    low = h - lo
+    room = (size - h - hi) - low
+    if (room < -1e-5).any():
+        raise ValueError(f"the trajectory of {spec} does not fit a {config.height}x{config.width} frame")
+    start = low + room.clamp(min=0) * torch.rand(2, generator=generator)
+    cov = _coverage(spec.shape, start[None] + offsets, config)  # [T, H, W]
+    color = torch.tensor(PALETTE[spec.color], dtype=torch.float32)
+    return (cov[:, None] * color[None, :, None, None]).clamp_(0.0, 1.0).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- splits
+Combo = tuple[str, str, "str | None"]
+
+
+def combos(config: ShapesWorldConfig) -> list[Combo]:
+    """All (color, shape, direction) combinations in config order; direction is None in image mode."""
+    dirs: list[str | None] = [None] if config.image_mode else list(config.directions)
+    return [(c, s, d) for c in config.colors for s in config.shapes for d in dirs]
+
+
+@functools.lru_cache(maxsize=64)
+def _heldout(colors: tuple, shapes: tuple, dirs: tuple, fraction: float) -> frozenset:
+    all_combos = [(c, s, d) for c in colors for s in shapes for d in dirs]
+    target = int(round(fraction * len(all_combos)))
+    if target == 0:
+        return frozenset()
+
+    def key(combo) -> str:
+        return hashlib.sha256("|".join(str(x) for x in combo).encode()).hexdigest()
+
+    # coverage counts of training combos per attribute value and per pair of values
+    def features(combo):
+        c, s, d = combo
+        if d is None:  # image mode: the (color, shape) pair *is* the combo; protect single values only
+            return [("c", c), ("s", s)]
+        return [("c", c), ("s", s), ("d", d), ("cs", c, s), ("cd", c, d), ("sd", s, d)]
+
+    counts: dict = {}
+    for combo in all_combos:
+        for f in features(combo):
+            counts[f] = counts.get(f, 0) + 1
+    chosen = set()
+    for combo in sorted(all_combos, key=key):
+        if len(chosen) == target:
+            break
+        if all(counts[f] > 1 for f in features(combo)):
+            chosen.add(combo)
+            for f in features(combo):
+                counts[f] -= 1
+    return frozenset(chosen)
+
+
+def heldout_combos(config: ShapesWorldConfig) -> list[Combo]:
+    """The held-out (color, shape, direction) combinations, in config order.
+
+    Fixed for a given vocabulary and ``heldout_fraction`` (independent of any seed and of list order):
+    combinations are ranked by the SHA-256 of ``"color|shape|direction"`` and taken greedily, skipping any
+    whose removal would leave a color, shape, direction, or (in video mode) a pair of them without a
+    training combination. About ``round(heldout_fraction * len(combos(config)))`` of them.
+    """
+    dirs = (None,) if config.image_mode else tuple(config.directions)
+    held = _heldout(tuple(config.colors), tuple(config.shapes), dirs, float(config.heldout_fraction))
+    return [c for c in combos(config) if c in held]
+
+
+def is_heldout(spec: ShapeSpec, config: ShapesWorldConfig) -> bool:
+    """Whether ``spec``'s (color, shape, first direction) combination is held out."""
+    d = None if config.image_mode else (spec.directions[0] if spec.directions else None)
+    return (spec.color, spec.shape, d) in set(heldout_combos(config))
+
+
+def _split_combos(config: ShapesWorldConfig, split: str) -> list[Combo]:
+    if split == "all":
+        return combos(config)
+    held = set(heldout_combos(config))
+    if split == "heldout":
+        out = [c for c in combos(config) if c in held]
+        if not out:
+            raise ValueError(
+                f"the held-out split is empty (heldout_fraction={config.heldout_fraction}); raise heldout_fraction"
+            )
+        return out
+    if split == "train":
+        return [c for c in combos(config) if c not in held]
+    raise ValueError(f"unknown split {split!r}; use 'train', 'heldout' or 'all'")
+
+
+def _choice(n: int, generator: torch.Generator) -> int:
+    return int(torch.randint(n, (1,), generator=generator).item())
+
+
+def sample_spec(
+    config: ShapesWorldConfig, generator: torch.Generator, split: Split = "train", multi_step: bool | None = None
+) -> ShapeSpec:
+    """Draw a spec: a uniform combination of ``split``, then (video mode) multi-step with probability
+    ``multi_step_prob`` (second direction uniform among the others), else a uniform speed when moving.
+
+    Args:
+        config: the world.
+        generator: a CPU ``torch.Generator``.
+        split: ``"train"``, ``"heldout"`` or ``"all"``.
+        multi_step: force (True) or forbid (False) two segments; None draws it.
+
+    Raises:
+        ValueError: an unknown split, or an empty held-out split.
+    """
+    c, s, d = (pool := _split_combos(config, split))[_choice(len(pool), generator)]
+    if config.image_mode:
+        return ShapeSpec(c, s)
+    draw = float(torch.rand(1, generator=generator))
+    multi = (draw < config.multi_step_prob) if multi_step is None else multi_step
+    if multi:
+        others = [x for x in config.directions if x != d]
+        if not others:
+            raise ValueError("multi-step captions need at least two directions")
+        return ShapeSpec(c, s, (d, others[_choice(len(others), generator)]))
+    names = list(config.speeds)
+    speed = names[_choice(len(names), generator)]
+    return ShapeSpec(c, s, (d,), None if d == "still" else speed)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The 63-bit generator seed of sample ``index`` of stream ``seed``.
+
+    ``h = splitmix64(splitmix64(seed mod 2^64) ^ (index mod 2^64)) mod 2^63`` (equal to
+    ``genrl.rollout.noise.mix_seed(seed, index)``). Negative indices are allowed (validation uses them).
+    """
+    h = _splitmix64(0 ^ (int(seed) & _MASK64))
+    h = _splitmix64(h ^ (int(index) & _MASK64))
+    return h & ((1 << 63) - 1)
+
+
+def sample(
+    config: ShapesWorldConfig, seed: int, index: int, split: Split = "train"
+) -> tuple[Tensor, str, ShapeSpec]:
+    """Sample ``index`` of stream ``seed``: a pure function of ``(config, seed, index, split)``.
+
+    Returns:
+        ``(pixels float32 [T, 3, H, W] in [0, 1], caption, spec)``.
+
+    Raises:
+        ValueError: an unknown split or an empty held-out split.
+    """
+    g = torch.Generator("cpu").manual_seed(sample_seed(seed, index))
+    spec = sample_spec(config, g, split)
+    return render(spec, config, g), caption(spec), spec
+
+
+def heldout_prompts(config: ShapesWorldConfig, n: int, seed: int = 0) -> list[str]:
+    """``n`` single-step captions of held-out combinations, deterministic in ``(config, n, seed)``.
+
+    The held-out combinations are visited in a seed-dependent order and cycled, so every one appears
+    ``n // len(heldout_combos(config))`` or one more times; moving captions get a uniform speed.
+
+    Raises:
+        ValueError: ``n < 0`` or an empty held-out split.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    pool = _split_combos(config, "heldout")
+    g = torch.Generator("cpu").manual_seed(sample_seed(seed, -1))
+    order = torch.randperm(len(pool), generator=g).tolist()
+    names = list(config.speeds)
+    out = []
+    for i in range(n):
+        c, s, d = pool[order[i % len(pool)]]
+        if d is None:
+            out.append(caption(ShapeSpec(c, s)))
+        else:
+            speed = names[_choice(len(names), g)] if d != "still" else None
+            out.append(caption(ShapeSpec(c, s, (d,), speed)))
+    return out

@@ -1,0 +1,391 @@
+"""Exact verifier rewards for the shapes world (DESIGN.md section 4): they play GenEval's / VBench's role.
+
+:class:`ShapesVerifier` reads only pixels (never the hidden :class:`~genrl.data.shapes.ShapeSpec`) and checks
+them against the caption. Per frame it computes foreground weights from intensity,
+
+    v = max over RGB,   w = relu(v - median_frame(v) - 0.1)
+
+(the per-frame median removes a uniform background or noise floor; the 0.1 margin ignores low-level noise),
+then twice restricts ``w`` to a window of half-side ``object_size / 2 + 1.5`` px around its weighted
+centroid (so stray blobs and noise far from the object do not move it). From the windowed weights:
+
+* **color**: chroma ``sum(w * rgb) / sum(w * v)`` (the color scaled to max channel 1, invariant to
+  brightness and anti-aliasing), compared with the palette colors scaled the same way;
+* **shape**: two brightness- and position-invariant moment features: the diagonal anisotropy
+  ``(E[u^4] + E[v^4]) / (E[x^4] + E[y^4])`` with ``u, v = (x +- y) / sqrt 2`` (square about 1.3, circle
+  1.0, diamond 0.78) and the vertical skewness ``E[y^3] / E[y^2]^1.5`` (an upward triangle is about -0.53),
+  compared with prototypes obtained by rendering the configured world at construction (so they
+  self-calibrate to resolution and object size), in units of the spread between prototypes;
+* **direction**: least-squares velocity (px/frame) of the centroid track over non-empty frames, compared
+  with the prototype velocities ``speed * unit(direction)`` for every configured speed and their mean
+  (still = 0). Multi-step captions: one velocity per segment (frames ``t <= (T-1)/2`` and ``t >= (T-1)/2``);
+* **speed**: the norm of that velocity against the configured speeds;
+* **step_following** (multi-step): ``P(segment 1 correct) * P(segment 2 correct)``;
+* **consistency**: ``exp(-(r_mass^2 + r_color^2) / (2 * 0.2^2))`` with ``r_mass`` the relative std of the
+  per-frame foreground mass over all frames and ``r_color`` the RMS deviation of per-frame chroma.
+
+Each attribute score is the soft probability of the caption's class: ``softmax_k(-d_k^2 / tau)`` over the
+configured classes, ``d_k`` the distance to class k's prototype(s). ``tau = D^2 / ln((K - 1) / 0.01)`` with
+D the smallest distance between two classes' prototypes, so a sample exactly at its prototype scores
+0.99; for shape, tau is additionally lowered until every calibration render scores >= 0.97.
+Averaged over a uniformly random stated class every soft score is exactly 1/K (the probabilities sum to
+one), which is why mismatched captions score at chance.
+
+Output keys (float32 [B]; plus the protocol's bool ``"valid"``):
+
+==================  ==========================================================================================
+``reward``          mean of the applicable soft scores below except ``all_correct`` (the scalar for RL)
+``color``           P(stated color)
+``shape``           P(stated shape)
+``direction``       P(stated direction); multi-step: mean over the two segments. NaN when no motion is stated
+``speed``           P(stated speed). NaN when the caption states no speed (still, multi-step, image mode)
+``step_following``  P(both segments correct). NaN for single-step and image captions
+``consistency``     temporal stability of area and color in [0, 1]. NaN for single frames (T = 1)
+``all_correct``     1.0 when the argmax class equals the stated class for every stated attribute, else 0.0
+==================  ==========================================================================================
+
+NaN in an attribute key means "not stated / not applicable", not a failure; ``valid`` is False only for
+failures (non-finite pixels). A video without foreground (empty or black frames) is a bad sample, not a
+failure: every applicable score is 0 and it stays valid. Segments with fewer than two non-empty frames
+score 0 on motion.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from genrl.data.shapes import (
+    DIRECTION_VECTORS,
+    PALETTE,
+    ShapeSpec,
+    ShapesWorldConfig,
+    parse_caption,
+    render,
+    sample_seed,
+)
+from genrl.rewards.base import RewardModel
+from genrl.rewards.registry import register_reward
+
+__all__ = ["ShapesVerifier"]
+
+_THRESHOLD = 0.1  # foreground margin above the per-frame median intensity
+_EMPTY_FRACTION = 0.2  # a frame is empty below this fraction of the smallest calibrated object mass
+_CONSISTENCY_SIGMA = 0.2
+_FEATURE_FLOOR = 0.1  # minimum feature scale (features are dimensionless, O(1))
+
+
+def _softmax_neg(d2: Tensor, tau: float) -> Tensor:
+    return torch.softmax(-d2 / tau, dim=-1)
+
+
+def _tau(dmin: float, k: int, eps: float) -> float:
+    """Temperature giving probability 1 - eps at a prototype whose nearest rival is ``dmin`` away."""
+    if k < 2 or dmin <= 0:
+        return 1.0
+    return dmin * dmin / math.log((k - 1) / eps)
+
+
+@register_reward("shapes")
+class ShapesVerifier(RewardModel):
+    """Verifier of captions of the shapes world, from pixels only (see the module docstring for the method
+    and the output keys).
+
+    Args:
+        world: the world the videos come from (a :class:`~genrl.data.shapes.ShapesWorldConfig`, a dict of
+            its fields, or None for the default). Its vocabulary defines the classes; its resolution and
+            object size the calibration.
+        scale, shift: affine on ``"reward"``.
+        calibration_samples: renders per shape used to build the shape prototypes (deterministic).
+
+    Call: ``verifier(pixels float [B, T, 3, H, W] in [0, 1], prompts: list[str]) -> dict[str, Tensor[B]]``.
+
+    Raises:
+        ValueError (at call): a caption that does not parse for ``world`` (unknown word, malformed); frames
+            whose size differs from ``world``'s; a caption that states motion for single-frame pixels;
+            plus the protocol's input checks (rank, C = 3, range, number of prompts).
+    """
+
+    differentiable = False
+    dimensions = ("reward", "color", "shape", "direction", "speed", "step_following", "consistency", "all_correct")
+    higher_is_better = True
+    channels = (3,)
+
+    def __init__(
+        self,
+        world: ShapesWorldConfig | dict[str, Any] | None = None,
+        scale: float = 1.0,
+        shift: float = 0.0,
+        calibration_samples: int = 32,
+    ) -> None:
+        super().__init__(scale=scale, shift=shift)
+        if world is None:
+            world = ShapesWorldConfig()
+        elif isinstance(world, dict):
+            world = ShapesWorldConfig(**world)
+        elif not isinstance(world, ShapesWorldConfig):
+            raise TypeError(f"world must be a ShapesWorldConfig or a dict of its fields, got {type(world)}")
+        self.world = world
+        eps = 0.01
+
+        # colors: palette scaled to max channel 1
+        pal = torch.tensor([PALETTE[c] for c in world.colors], dtype=torch.float32)
+        pal = pal / pal.amax(dim=1, keepdim=True)
+        self.register_buffer("palette", pal, persistent=False)
+        self.tau_color = _tau(self._min_class_distance([p[None] for p in pal]), len(pal), eps)
+
+        # directions: prototype velocities per class (every configured speed and their mean)
+        self.direction_names = list(world.directions)
+        speeds = sorted(set(world.speeds.values()) | ({world.mean_speed} if world.speeds else set()))
+        protos = []
+        for d in self.direction_names:
+            u = torch.tensor(DIRECTION_VECTORS[d], dtype=torch.float32)
+            protos.append(torch.zeros(1, 2) if d == "still" else torch.stack([s * u for s in speeds]))
+        n = max(len(p) for p in protos)
+        padded = torch.stack([torch.cat([p, p[-1:].expand(n - len(p), 2)]) for p in protos])  # [Kd, P, 2]
+        self.register_buffer("direction_protos", padded, persistent=False)
+        self.tau_direction = _tau(self._min_class_distance(protos), len(protos), eps)
+
+        # speeds
+        self.speed_names = list(world.speeds)
+        sv = torch.tensor([world.speeds[s] for s in self.speed_names], dtype=torch.float32)
+        self.register_buffer("speed_values", sv, persistent=False)
+        self.tau_speed = _tau(self._min_class_distance([s.view(1, 1) for s in sv]), len(sv), eps)
+
+        self._calibrate_shapes(calibration_samples, eps)
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _min_class_distance(protos: list[Tensor]) -> float:
+        best = math.inf
+        for i in range(len(protos)):
+            for j in range(i + 1, len(protos)):
+                best = min(best, float(torch.cdist(protos[i], protos[j]).min()))
+        return best if math.isfinite(best) else 0.0
+
+    def _calibrate_shapes(self, n: int, eps: float) -> None:
+        w = self.world
+        feats, masses = [], []
+        for k, shape in enumerate(w.shapes):
+            videos = []
+            for i in range(n):
+                g = torch.Generator("cpu").manual_seed(sample_seed(0x5EED, k * 100003 + i))
+                color = w.colors[i % len(w.colors)]
+                if w.image_mode:
+                    spec = ShapeSpec(color, shape)
+                else:
+                    d = w.directions[i % len(w.directions)]
+                    speed = None if d == "still" else list(w.speeds)[(i // len(w.directions)) % len(w.speeds)]
+                    spec = ShapeSpec(color, shape, (d,), speed)
+                videos.append(render(spec, w, g))
+            m = self.measure(torch.stack(videos), _calibrating=True)
+            feats.append(m["shape_features"])
+            masses.append(m["mass"].mean())
+        self.reference_mass = float(min(masses))
+        protos = torch.stack([f.mean(0) for f in feats])  # [Ks, F]
+        spread = protos.std(0, unbiased=True) if len(protos) > 1 else torch.ones(protos.shape[1])
+        scale = spread.clamp(min=_FEATURE_FLOOR)
+        self.register_buffer("shape_protos", protos / scale, persistent=False)
+        self.register_buffer("shape_scale", scale, persistent=False)
+        ks = len(protos)
+        tau = _tau(self._min_class_distance([p[None] for p in self.shape_protos]), ks, eps)
+        if ks > 1:
+            z = torch.cat(feats) / scale
+            truth = torch.arange(ks).repeat_interleave(n)
+            d2 = torch.cdist(z, self.shape_protos) ** 2
+            if (d2.argmin(1) != truth).any():
+                acc = float((d2.argmin(1) == truth).float().mean())
+                warnings.warn(
+                    f"ShapesVerifier: shapes {w.shapes} are not separable at {w.height}x{w.width} with object_size "
+                    f"{w.object_size} (calibration accuracy {acc:.1%}); shape scores will be unreliable",
+                    stacklevel=3,
+                )
+            else:
+                for _ in range(40):  # sharpen until every clean calibration render is >= 0.97 confident
+                    p = _softmax_neg(d2, tau).gather(1, truth[:, None]).min()
+                    if p >= 0.97:
+                        break
+                    tau *= 0.8
+        self.tau_shape = tau
+
+    # ------------------------------------------------------------------ measurement
+    def measure(self, pixels: Tensor, _calibrating: bool = False) -> dict[str, Tensor]:
+        """Pixel measurements behind the scores (useful for debugging and evaluation reports).
+
+        Args:
+            pixels: float ``[B, T, 3, H, W]`` in [0, 1], finite.
+
+        Returns:
+            dict of ``mass`` [B, T] (foreground weight per frame), ``nonempty`` bool [B, T], ``centroid``
+            [B, T, 2] (x, y in pixels), ``chroma`` [B, 3] (video color, max-channel-normalised),
+            ``frame_chroma`` [B, T, 3], ``shape_features`` [B, 2] (anisotropy, vertical skewness).
+        """
+        x = pixels.float()
+        b, t, _, h, wd = x.shape
+        v = x.amax(dim=2)  # [B, T, H, W]
+        bg = v.flatten(2).median(dim=-1).values
+        w = (v - bg[..., None, None] - _THRESHOLD).clamp(min=0)
+        xs = torch.arange(wd, dtype=x.dtype, device=x.device) + 0.5
+        ys = torch.arange(h, dtype=x.dtype, device=x.device) + 0.5
+
+        def centroid(weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            m = weights.sum(dim=(-2, -1))
+            safe = m.clamp(min=1e-8)
+            cx = (weights.sum(-2) * xs).sum(-1) / safe
+            cy = (weights.sum(-1) * ys).sum(-1) / safe
+            cx = torch.where(m > 0, cx, torch.full_like(cx, wd / 2))
+            cy = torch.where(m > 0, cy, torch.full_like(cy, h / 2))
+            return m, cx, cy
+
+        _, cx, cy = centroid(w)
+        r = self.world.object_size / 2 + 1.5
+        for _ in range(2):
+            win = ((xs - cx[..., None]).abs() <= r)[..., None, :] & ((ys - cy[..., None]).abs() <= r)[..., :, None]
+            ww = w * win
+            mass, cx, cy = centroid(ww)
+        safe = mass.clamp(min=1e-8)
+        ref = self.world.object_size**2 * 0.25 if _calibrating else self.reference_mass
+        nonempty = mass >= _EMPTY_FRACTION * ref
+
+        # color: chroma of the foreground, per frame and per video (mass-weighted over non-empty frames)
+        num = (ww[:, :, None] * x).sum(dim=(-2, -1))  # [B, T, 3]
+        den = (ww * v).sum(dim=(-2, -1)).clamp(min=1e-8)  # [B, T]
+        frame_chroma = num / den[..., None]
+        fw = mass * nonempty
+        chroma = (fw[..., None] * frame_chroma).sum(1) / fw.sum(1).clamp(min=1e-8)[:, None]
+
+        # shape: central moments of the windowed weights
+        dx = (xs - cx[..., None])[..., None, :]  # [B, T, 1, W]
+        dy = (ys - cy[..., None])[..., :, None]  # [B, T, H, 1]
+
+        def e(f: Tensor) -> Tensor:
+            return (ww * f).sum(dim=(-2, -1)) / safe
+
+        x4, y4, y2, y3 = e(dx**4), e(dy**4), e(dy**2), e(dy**3)
+        u4 = e(((dx + dy) / math.sqrt(2)) ** 4)
+        v4 = e(((dx - dy) / math.sqrt(2)) ** 4)
+        aniso = (u4 + v4) / (x4 + y4).clamp(min=1e-8)
+        skew = y3 / y2.clamp(min=1e-8) ** 1.5
+        frame_feats = torch.stack([aniso, skew], dim=-1)  # [B, T, 2]
+        shape_features = (fw[..., None] * frame_feats).sum(1) / fw.sum(1).clamp(min=1e-8)[:, None]
+        return {
+            "mass": mass,
+            "nonempty": nonempty,
+            "centroid": torch.stack([cx, cy], dim=-1),
+            "chroma": chroma,
+            "frame_chroma": frame_chroma,
+            "shape_features": shape_features,
+        }
+
+    @staticmethod
+    def _velocity(centroid: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Least-squares velocity [B, 2] of the centroid over frames where ``mask`` [B, T]; ok when >= 2 frames."""
+        t = torch.arange(centroid.shape[1], dtype=centroid.dtype, device=centroid.device)
+        wt = mask.to(centroid.dtype)
+        n = wt.sum(1).clamp(min=1e-8)
+        tm = (wt * t).sum(1) / n
+        cm = (wt[..., None] * centroid).sum(1) / n[:, None]
+        dt = (t - tm[:, None]) * wt
+        var = (dt * (t - tm[:, None])).sum(1)
+        vel = (dt[..., None] * (centroid - cm[:, None])).sum(1) / var.clamp(min=1e-8)[:, None]
+        return vel, var > 1e-6
+
+    def _direction_probs(self, vel: Tensor, ok: Tensor) -> Tensor:
+        d2 = ((vel[:, None, None, :] - self.direction_protos[None]) ** 2).sum(-1).amin(-1)  # [B, Kd]
+        return _softmax_neg(d2, self.tau_direction) * ok[:, None]
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, pixels: Tensor, prompts: list[str], **meta: Any) -> dict[str, Tensor]:
+        w = self.world
+        b, t, _, h, wd = pixels.shape
+        if (h, wd) != (w.height, w.width):
+            raise ValueError(
+                f"ShapesVerifier is calibrated for {w.height}x{w.width} frames, got {h}x{wd} (pixels shape "
+                f"{tuple(pixels.shape)}); build it with world=ShapesWorldConfig(height={h}, width={wd}, ...)"
+            )
+        specs = [parse_caption(p, w) for p in prompts]
+        for p, s in zip(prompts, specs):
+            if t == 1 and s.directions:
+                raise ValueError(f"caption {p!r} states motion but the pixels have a single frame (T=1)")
+        dev = self.palette.device  # score where the verifier lives (move it with .to(device))
+        x = torch.nan_to_num(pixels.detach().float(), nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1).to(dev)
+        m = self.measure(x)
+        nonempty = m["nonempty"]
+        has_fg = nonempty.any(1)
+        nan = torch.full((b,), float("nan"), device=dev)
+
+        def idx(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        def pick(probs: Tensor, index: Tensor) -> Tensor:
+            return probs.gather(1, index.clamp(min=0)[:, None])[:, 0]
+
+        def hit(probs: Tensor, index: Tensor, ok: Tensor) -> Tensor:
+            return (probs.argmax(1) == index) & ok
+
+        # color and shape
+        p_color = _softmax_neg(torch.cdist(m["chroma"], self.palette) ** 2, self.tau_color) * has_fg[:, None]
+        z = m["shape_features"] / self.shape_scale
+        p_shape = _softmax_neg(torch.cdist(z, self.shape_protos) ** 2, self.tau_shape) * has_fg[:, None]
+        ci = idx([w.colors.index(s.color) for s in specs])
+        si = idx([w.shapes.index(s.shape) for s in specs])
+        color, shape = pick(p_color, ci), pick(p_shape, si)
+        correct = hit(p_color, ci, has_fg) & hit(p_shape, si, has_fg)
+
+        # motion
+        direction, speed, steps = nan.clone(), nan.clone(), nan.clone()
+        if t > 1:
+            cen = m["centroid"]
+            tt = torch.arange(t, device=dev, dtype=cen.dtype)
+            mid = (t - 1) / 2
+            v_all, ok_all = self._velocity(cen, nonempty)
+            v1, ok1 = self._velocity(cen, nonempty & (tt <= mid))
+            v2, ok2 = self._velocity(cen, nonempty & (tt >= mid))
+            p_all = self._direction_probs(v_all, ok_all)
+            p1, p2 = self._direction_probs(v1, ok1), self._direction_probs(v2, ok2)
+            p_speed = _softmax_neg((v_all.norm(dim=1, keepdim=True) - self.speed_values) ** 2, self.tau_speed)
+            p_speed = p_speed * ok_all[:, None]
+            names = self.direction_names
+            d1 = idx([names.index(s.directions[0]) if s.directions else -1 for s in specs])
+            d2 = idx([names.index(s.directions[1]) if s.multi_step else -1 for s in specs])
+            sp = idx([self.speed_names.index(s.speed) if s.speed is not None else -1 for s in specs])
+            single = idx([len(s.directions) == 1 for s in specs]).bool()
+            multi = idx([s.multi_step for s in specs]).bool()
+            a1, a2 = pick(p1, d1), pick(p2, d2)
+            direction = torch.where(single, pick(p_all, d1), direction)
+            direction = torch.where(multi, (a1 + a2) / 2, direction)
+            steps = torch.where(multi, a1 * a2, steps)
+            stated_speed = sp >= 0
+            speed = torch.where(stated_speed, pick(p_speed, sp), speed)
+            correct &= ~single | hit(p_all, d1, ok_all)
+            correct &= ~multi | (hit(p1, d1, ok1) & hit(p2, d2, ok2))
+            correct &= ~stated_speed | hit(p_speed, sp, ok_all)
+            # temporal consistency of foreground area and color
+            mass = m["mass"]
+            r_mass = mass.std(1, unbiased=False) / mass.mean(1).clamp(min=1e-8)
+            dev_c = ((m["frame_chroma"] - m["chroma"][:, None]) ** 2).sum(-1)
+            r_color = ((dev_c * nonempty).sum(1) / nonempty.sum(1).clamp(min=1)).sqrt()
+            consistency = torch.exp(-(r_mass**2 + r_color**2) / (2 * _CONSISTENCY_SIGMA**2)) * has_fg
+        else:
+            consistency = nan.clone()
+
+        parts = torch.stack([color, shape, direction, speed, steps, consistency], dim=1)
+        reward = parts.nansum(1) / (~parts.isnan()).sum(1).clamp(min=1)
+        return {
+            "reward": reward,
+            "color": color,
+            "shape": shape,
+            "direction": direction,
+            "speed": speed,
+            "step_following": steps,
+            "consistency": consistency,
+            "all_correct": correct.float(),
+        }
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, world={asdict(self.world)}"
