@@ -117,5 +117,5 @@ def test_bad_inputs_raise_clear_errors(dit64, tmp_path):
         )
     with pytest.raises(FileNotFoundError, match="no model weights"):
         ModelSpec(pretrained=str(tmp_path / "missing")).build()
-    with pytest.raises(ValueError, match="unknown init_args"):
-        ModelSpec(init_args={"hidden_sise": 32}).build()
+    with pytest.raises(ValueError, match="unknown config keys"):
+        ModelSpec(config={"hidden_sise": 32}).build()
