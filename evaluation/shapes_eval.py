@@ -61,7 +61,7 @@ def evaluate(generator, world, prompts: list[str], seed: int, steps: int, cfg_sc
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="folder saved by save_pretrained (e.g. assets/shapes-dit)")
+    p.add_argument("--model", required=True, help="folder saved by save_pretrained (e.g. assets/shapes-dit) or a genrl fit .ckpt")
     p.add_argument("--text-encoder", default="minilm", help="local text-encoder folder or 'minilm'")
     p.add_argument("--split", default="heldout", choices=["heldout", "train", "all"])
     p.add_argument("--num-prompts", type=int, default=256)
@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     world = ShapesWorldConfig(**json.loads(args.world)) if args.world else ShapesWorldConfig()
-    generator = DiTGenerator.from_pretrained(args.model, text_encoder=args.text_encoder)
+    if args.model.endswith(".ckpt"):  # a genrl fit checkpoint: its EMA weights when present
+        generator = DiTGenerator.from_checkpoint(args.model, text_encoder=args.text_encoder)
+    else:
+        generator = DiTGenerator.from_pretrained(args.model, text_encoder=args.text_encoder)
     if torch.cuda.is_available():
         generator.cuda()
     prompts = shapes_prompts(world, args.split, args.num_prompts, seed=0, multi_step=args.multi_step)

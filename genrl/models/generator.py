@@ -75,6 +75,38 @@ class DiTGenerator(nn.Module):
         transformer = ModelSpec(pretrained=path, subfolder=subfolder).build().eval()
         return cls(transformer, TextEncoder.from_pretrained(text_encoder, max_length=max_text_length))
 
+    @classmethod
+    def from_checkpoint(cls, path: str, use_ema: bool = True, text_encoder: str | None = None) -> "DiTGenerator":
+        """Load the generator of a ``genrl fit`` Lightning checkpoint (EMA weights when the run had EMA).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            KeyError: the checkpoint has no ``generator.transformer.*`` weights.
+        """
+        from pathlib import Path
+
+        from genrl.models.spec import ModelSpec
+
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no checkpoint file at {path!r}")
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        hp = ckpt.get("hyper_parameters", {})
+        spec = hp.get("transformer") or ModelSpec()
+        spec = spec if isinstance(spec, ModelSpec) else ModelSpec(**spec)
+        transformer = ModelSpec(model_class=spec.model_class, config=dict(spec.config)).build()
+        prefix = "generator.transformer."
+        weights = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+        if not weights:
+            raise KeyError(f"checkpoint {path!r} holds no {prefix}* weights")
+        if use_ema:
+            for state in ckpt.get("callbacks", {}).values():
+                if isinstance(state, dict) and "shadow" in state:
+                    weights.update({k[len(prefix):]: v for k, v in state["shadow"].items() if k.startswith(prefix)})
+        transformer.load_state_dict(weights)
+        encoder = TextEncoder.from_pretrained(text_encoder or hp.get("text_encoder", "minilm"),
+                                              max_length=hp.get("max_text_length", 32))
+        return cls(transformer.eval(), encoder)
+
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
