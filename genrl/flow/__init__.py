@@ -27,6 +27,30 @@ from genrl.flow.schedules import (
     timesteps_to_sigmas,
 )
 from genrl.flow.steps import euler_step
+from genrl.flow.sde import (
+    STEP_KINDS,
+    LogProbReduce,
+    StepKind,
+    StepOutput,
+    diffusion_coefficient,
+    gaussian_log_prob,
+    sde_step,
+    step_log_prob,
+    step_mean_std,
+)
+from genrl.flow.policy import (
+    ZERO_STD,
+    AdvantageStd,
+    KLKind,
+    RunningMeanStd,
+    clipped_policy_loss,
+    gaussian_kl,
+    group_advantages,
+    group_stats,
+    kl_penalty,
+    normalize_rewards,
+    velocity_kl,
+)
 
 __all__ = [
     "SigmaLike",
@@ -51,4 +75,24 @@ __all__ = [
     "sigmas_to_timesteps",
     "timesteps_to_sigmas",
     "euler_step",
+    "StepKind",
+    "STEP_KINDS",
+    "LogProbReduce",
+    "StepOutput",
+    "diffusion_coefficient",
+    "step_mean_std",
+    "gaussian_log_prob",
+    "sde_step",
+    "step_log_prob",
+    "clipped_policy_loss",
+    "KLKind",
+    "gaussian_kl",
+    "velocity_kl",
+    "kl_penalty",
+    "AdvantageStd",
+    "ZERO_STD",
+    "group_advantages",
+    "group_stats",
+    "normalize_rewards",
+    "RunningMeanStd",
 ]
