@@ -1,0 +1,395 @@
+"""RewardManager: chunked scoring, combination modes, failures, placement outside the LightningModule."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+
+from genrl.data.shapes import ShapesWorldConfig
+from genrl.data.shapes_datamodule import make_batch
+from genrl.rewards import (
+    RewardManager,
+    RewardModel,
+    RewardResult,
+    RewardSpec,
+    ShapesVerifier,
+    UnknownRewardError,
+    build_reward,
+    build_reward_with_context,
+    per_reward_advantages,
+    register_reward,
+)
+from genrl.rewards.manager import ZSCORE_EPS
+
+WORLD = ShapesWorldConfig()
+SHAPES = {"name": "shapes", "kwargs": {"calibration_samples": 8}}
+
+
+# ---------------------------------------------------------------------------------------------- fake rewards
+@register_reward("test_mgr_const")
+class ConstReward(RewardModel):
+    """reward = value (before scale / shift); "aux" = 3 everywhere."""
+
+    dimensions = ("reward", "aux")
+
+    def __init__(self, value: float = 0.25, scale: float = 1.0, shift: float = 0.0) -> None:
+        super().__init__(scale=scale, shift=shift)
+        self.value = value
+
+    def score(self, pixels, prompts, **meta):
+        b = pixels.shape[0]
+        return {"reward": torch.full((b,), self.value), "aux": torch.full((b,), 3.0)}
+
+
+@register_reward("test_mgr_mean")
+class MeanReward(RewardModel):
+    """reward = mean pixel intensity (varies across samples); invalid (NaN) where meta ``bad`` is True;
+    raises when a chunk contains a sample with meta ``explode`` True."""
+
+    def score(self, pixels, prompts, bad=None, explode=None, **meta):
+        if explode is not None and bool(explode.any()):
+            raise RuntimeError("boom")
+        r = pixels.float().mean(dim=(1, 2, 3, 4))
+        out = {"reward": r}
+        if bad is not None:
+            out["valid"] = ~bad
+        return out
+
+
+@register_reward("test_mgr_lying")
+class LyingReward(RewardModel):
+    """Breaks the protocol: NaN main score for sample 0 while claiming it valid."""
+
+    def score(self, pixels, prompts, **meta):
+        return {"reward": torch.ones(pixels.shape[0])}
+
+    def forward(self, pixels, prompts, **meta):
+        b = pixels.shape[0]
+        r = torch.ones(b)
+        r[0] = float("nan")
+        return {"reward": r, "valid": torch.ones(b, dtype=torch.bool)}
+
+
+@register_reward("test_mgr_param")
+class ParamReward(RewardModel):
+    """A reward with a trainable-looking parameter: reward = w * mean pixel."""
+
+    def __init__(self, scale: float = 1.0, shift: float = 0.0) -> None:
+        super().__init__(scale=scale, shift=shift)
+        self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+    def score(self, pixels, prompts, **meta):
+        return {"reward": self.w * pixels.float().mean(dim=(1, 2, 3, 4))}
+
+
+@register_reward("test_mgr_world")
+class WorldReward(RewardModel):
+    """Records the ``world`` it was built with; reward = world["k"]."""
+
+    def __init__(self, world=None, scale: float = 1.0, shift: float = 0.0) -> None:
+        super().__init__(scale=scale, shift=shift)
+        self.world = world
+
+    def score(self, pixels, prompts, **meta):
+        return {"reward": torch.full((pixels.shape[0],), float(self.world["k"]))}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """8 ground-truth shapes videos with their captions."""
+    b = make_batch(WORLD, 3, list(range(8)))
+    return b["pixels"], b["prompts"]
+
+
+def _means(pixels: torch.Tensor) -> torch.Tensor:
+    return pixels.float().mean(dim=(1, 2, 3, 4))
+
+
+# ---------------------------------------------------------------------------------------------- weighted sum
+def test_weighted_sum_with_real_shapes_verifier_and_chunking(batch):
+    pixels, prompts = batch
+    specs = [
+        {**SHAPES, "weight": 0.7},
+        RewardSpec("test_mgr_const", weight=2.0, scale=2.0, shift=0.1, kwargs={"value": 0.25}),
+        {"name": "test_mgr_mean", "weight": -0.5},
+    ]
+    one = RewardManager(specs, batch_size=64).build({"world": WORLD})
+    res = one(pixels, prompts)
+    assert isinstance(res, RewardResult) and len(res) == 8
+
+    direct = build_reward("shapes", world=WORLD, calibration_samples=8)(pixels, prompts)
+    assert torch.allclose(res.rewards["shapes"], direct["reward"])
+    assert float(res.rewards["shapes"].min()) > 0.95  # ground truth matches its captions
+    assert torch.allclose(res.rewards["test_mgr_const"], torch.full((8,), 0.6))  # 2 * 0.25 + 0.1
+    assert torch.allclose(res.rewards["test_mgr_mean"], _means(pixels))
+    hand = 0.7 * direct["reward"] + 2.0 * 0.6 - 0.5 * _means(pixels)
+    assert torch.allclose(res.total, hand, atol=1e-6)
+    assert res.weights == {"shapes": 0.7, "test_mgr_const": 2.0, "test_mgr_mean": -0.5}
+    assert res.valid.dtype == torch.bool and bool(res.valid.all())
+
+    # every output key, namespaced, float32 on the CPU; the verifier's non-applicable NaNs pass through
+    expected = {f"shapes/{k}" for k in ShapesVerifier.dimensions} | {
+        "test_mgr_const/reward", "test_mgr_const/aux", "test_mgr_mean/reward"}
+    assert set(res.components) == expected
+    for k, v in res.components.items():
+        assert v.dtype == torch.float32 and v.device.type == "cpu" and v.shape == (8,), k
+    assert torch.equal(res.components["shapes/speed"].isnan(), direct["speed"].isnan())
+    assert torch.allclose(res.components["test_mgr_const/aux"], torch.full((8,), 3.0))
+
+    m = res.metrics()
+    assert m["invalid_fraction"] == 0.0
+    assert m["total"] == pytest.approx(float(hand.double().mean()), abs=1e-6)
+    assert m["test_mgr_const/reward"] == pytest.approx(0.6)
+    assert m["shapes/reward"] == pytest.approx(float(direct["reward"].double().mean()), abs=1e-6)
+    speed = direct["speed"][~direct["speed"].isnan()]
+    assert m["shapes/speed"] == pytest.approx(float(speed.double().mean()), abs=1e-6)
+    assert m["shapes/errors"] == 0.0 and m["shapes/invalid_fraction"] == 0.0
+
+    # chunks of 3 (3 + 3 + 2) give identical results
+    chunked = RewardManager(specs, batch_size=3).build({"world": WORLD})(pixels, prompts)
+    assert torch.equal(chunked.total, res.total) and torch.equal(chunked.valid, res.valid)
+    for k in res.components:
+        assert torch.equal(chunked.components[k].nan_to_num(-7), res.components[k].nan_to_num(-7)), k
+
+
+def test_chunks_see_only_their_slice(monkeypatch):
+    seen = []
+    orig = ConstReward.score
+
+    def spy(self, pixels, prompts, **meta):
+        seen.append((pixels.shape[0], len(prompts), meta["ids"].tolist(), meta["fps"]))
+        return orig(self, pixels, prompts, **meta)
+
+    monkeypatch.setattr(ConstReward, "score", spy)
+    mgr = RewardManager([{"name": "test_mgr_const"}], batch_size=3)
+    mgr(torch.rand(8, 2, 3, 4, 4), [str(i) for i in range(8)], ids=torch.arange(8), fps=8)
+    assert seen == [(3, 3, [0, 1, 2], 8), (3, 3, [3, 4, 5], 8), (2, 2, [6, 7], 8)]
+
+
+# ---------------------------------------------------------------------------------------------- z-score
+def test_zscore_sum_uses_running_stats_and_state_round_trip():
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.rand(6, 2, 3, 4, 4, generator=g) * s for s in (0.5, 1.0, 0.8)]
+    prompts = ["p"] * 6
+    specs = [{"name": "test_mgr_mean", "weight": 2.0}, {"name": "test_mgr_param", "weight": 0.5, "scale": 3.0}]
+    mgr = RewardManager(specs, combine="zscore_sum", batch_size=4)
+
+    seen = {"test_mgr_mean": [], "test_mgr_param": []}
+    for x in batches[:2]:
+        res = mgr(x, prompts)
+        r1, r2 = _means(x).double(), 3.0 * 2.0 * _means(x).double()
+        seen["test_mgr_mean"].append(r1)
+        seen["test_mgr_param"].append(r2)
+        hand = torch.zeros(6, dtype=torch.float64)
+        for name, w in (("test_mgr_mean", 2.0), ("test_mgr_param", 0.5)):
+            allr = torch.cat(seen[name])  # every sample so far, this batch included
+            mean, std = allr.mean(), allr.std(unbiased=False)
+            cur = seen[name][-1]
+            hand += w * (cur - mean) / (std + ZSCORE_EPS)
+        assert torch.allclose(res.total.double(), hand, atol=1e-5)
+        cnt, mean, std = mgr.running_stats()["test_mgr_mean"]
+        assert cnt == len(torch.cat(seen["test_mgr_mean"]))
+        assert mean == pytest.approx(float(torch.cat(seen["test_mgr_mean"]).mean()), abs=1e-9)
+        assert res.metrics()["test_mgr_mean/running_std"] == pytest.approx(std)
+    # first batch: z-scores of a single batch have zero mean; second batch is not centred on itself
+    assert abs(float(res.total.mean())) > 1e-3
+
+    state = mgr.state_dict()
+    resumed = RewardManager(specs, combine="zscore_sum", batch_size=4)
+    resumed.load_state_dict(state)
+    a, b = mgr(batches[2], prompts), resumed(batches[2], prompts)
+    assert torch.equal(a.total, b.total)
+    assert mgr.state_dict() == resumed.state_dict()
+    fresh = RewardManager(specs, combine="zscore_sum")(batches[2], prompts)
+    assert not torch.allclose(fresh.total, a.total)  # the statistics matter
+    with pytest.raises(ValueError, match="rewards"):
+        RewardManager([{"name": "test_mgr_const"}], combine="zscore_sum").load_state_dict(state)
+
+
+def test_zscore_excludes_invalid_samples_from_stats():
+    x = torch.rand(6, 1, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+    bad = torch.tensor([False, True, False, False, True, False])
+    mgr = RewardManager([{"name": "test_mgr_mean"}], combine="zscore_sum")
+    res = mgr(x, ["p"] * 6, bad=bad)
+    good = _means(x)[~bad].double()
+    cnt, mean, std = mgr.running_stats()["test_mgr_mean"]
+    assert cnt == 4 and mean == pytest.approx(float(good.mean()))
+    assert std == pytest.approx(float(good.std(unbiased=False)))
+    assert torch.equal(res.total.isnan(), bad)
+    assert torch.allclose(res.total[~bad].double(), (good - good.mean()) / (good.std(unbiased=False) + ZSCORE_EPS),
+                          atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+def test_per_reward_advantages_match_hand_computation():
+    x = torch.rand(8, 1, 3, 4, 4, generator=torch.Generator().manual_seed(2))
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    specs = [{"name": "test_mgr_mean", "weight": 1.5}, {"name": "test_mgr_param", "weight": 0.5, "shift": 1.0},
+             {"name": "test_mgr_const", "weight": 4.0}]
+    mgr = RewardManager(specs, combine="advantage_sum")
+    res = mgr(x, ["p"] * 8)
+    m = _means(x).double()
+    # advantage_sum: total is the plain weighted sum
+    assert torch.allclose(res.total.double(), 1.5 * m + 0.5 * (2 * m + 1) + 4.0 * 0.25, atol=1e-6)
+
+    adv, per, details = mgr.per_reward_advantages(res, groups, eps=1e-4, return_details=True)
+    hand = torch.zeros(8, dtype=torch.float64)
+    for name, r, w in (("test_mgr_mean", m, 1.5), ("test_mgr_param", 2 * m + 1, 0.5)):
+        a = torch.empty(8, dtype=torch.float64)
+        for gi in (0, 1):
+            sel = groups == gi
+            a[sel] = (r[sel] - r[sel].mean()) / (r[sel].std(unbiased=False) + 1e-4)
+        assert torch.allclose(per[name].double(), a, atol=1e-5), name
+        hand += w * a
+    assert torch.equal(per["test_mgr_const"], torch.zeros(8))  # constant reward: zero-std groups -> exactly 0
+    assert torch.allclose(adv.double(), hand, atol=1e-5)
+    for gi in (0, 1):
+        assert abs(float(adv[groups == gi].sum())) < 1e-5  # zero mean per group
+    assert details == {"test_mgr_mean/zero_std_groups": 0.0, "test_mgr_param/zero_std_groups": 0.0,
+                       "test_mgr_const/zero_std_groups": 1.0}
+    # the module-level function agrees; groups may also be given as prompts
+    labels = ["a"] * 4 + ["b"] * 4
+    assert torch.allclose(per_reward_advantages(res, labels), adv)
+    with pytest.raises(ValueError, match="group ids"):
+        per_reward_advantages(res, groups[:5])
+    # map_tensors (e.g. an all-gather): two copies of the batch = each group doubled, same advantages
+    doubled = res.map_tensors(lambda t: torch.cat([t, t]))
+    assert len(doubled) == 16 and doubled.valid.dtype == torch.bool
+    assert torch.allclose(per_reward_advantages(doubled, torch.cat([groups, groups])), torch.cat([adv, adv]),
+                          atol=1e-5)
+
+
+def test_advantages_are_zero_for_invalid_samples():
+    x = torch.rand(6, 1, 3, 4, 4, generator=torch.Generator().manual_seed(3))
+    bad = torch.tensor([False, True, False, False, False, False])
+    res = RewardManager([{"name": "test_mgr_mean"}])(x, ["p"] * 6, bad=bad)
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    adv = per_reward_advantages(res, groups)
+    assert float(adv[1]) == 0.0
+    m = _means(x).double()
+    sel = torch.tensor([0, 2])
+    hand = (m[sel] - m[sel].mean()) / (m[sel].std(unbiased=False) + 1e-4)
+    assert torch.allclose(adv[sel].double(), hand, atol=1e-5)
+    assert abs(float(adv[:3].sum())) < 1e-5 and abs(float(adv[3:].sum())) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def test_invalid_samples_propagate_nan_and_are_excluded_from_metrics():
+    x = torch.rand(8, 1, 3, 4, 4, generator=torch.Generator().manual_seed(4))
+    bad = torch.zeros(8, dtype=torch.bool)
+    bad[[2, 5]] = True
+    mgr = RewardManager([{"name": "test_mgr_mean", "weight": 1.0}, {"name": "test_mgr_const", "weight": 1.0}],
+                        batch_size=3)
+    res = mgr(x, ["p"] * 8, bad=bad)
+    assert torch.equal(res.valid, ~bad)
+    assert torch.equal(res.reward_valid["test_mgr_mean"], ~bad) and bool(res.reward_valid["test_mgr_const"].all())
+    assert torch.equal(res.total.isnan(), bad) and torch.equal(res.rewards["test_mgr_mean"].isnan(), bad)
+    m = res.metrics()
+    good = _means(x)[~bad].double()
+    assert m["invalid_fraction"] == pytest.approx(0.25)
+    assert m["test_mgr_mean/invalid_fraction"] == pytest.approx(0.25)
+    assert m["test_mgr_const/invalid_fraction"] == 0.0
+    assert m["test_mgr_mean/reward"] == pytest.approx(float(good.mean()), abs=1e-6)
+    assert m["total"] == pytest.approx(float((good + 0.25).mean()), abs=1e-6)
+    assert not any(math.isnan(v) for v in m.values())
+
+
+def test_nan_marked_valid_is_treated_as_invalid_with_warning(caplog):
+    mgr = RewardManager([{"name": "test_mgr_lying"}, {"name": "test_mgr_const"}])
+    with caplog.at_level(logging.WARNING, logger="genrl.rewards.manager"):
+        res = mgr(torch.rand(4, 1, 3, 4, 4), ["p"] * 4)
+    assert "test_mgr_lying" in caplog.text and "non-finite" in caplog.text
+    assert res.valid.tolist() == [False, True, True, True]
+    assert res.total[0].isnan() and torch.allclose(res.total[1:], torch.full((3,), 1.25))
+    assert res.metrics()["test_mgr_lying/nan_rewards"] == 1.0
+    assert mgr.failure_counts["test_mgr_lying"]["nan_rewards"] == 1
+
+
+def test_on_error_raise_and_invalid(caplog):
+    x = torch.rand(8, 1, 3, 4, 4)
+    explode = torch.zeros(8, dtype=torch.bool)
+    explode[4] = True  # in the second chunk (samples 3:6)
+    specs = [{"name": "test_mgr_mean"}, {"name": "test_mgr_const"}]
+    with pytest.raises(RuntimeError, match=r"reward 'test_mgr_mean' failed on a chunk of 3 samples.*boom") as err:
+        RewardManager(specs, batch_size=3)(x, ["p"] * 8, explode=explode)
+    assert isinstance(err.value.__cause__, RuntimeError) and str(err.value.__cause__) == "boom"
+
+    mgr = RewardManager(specs, batch_size=3, on_error="invalid")
+    with caplog.at_level(logging.WARNING, logger="genrl.rewards.manager"):
+        res = mgr(x, ["p"] * 8, explode=explode)
+    assert "test_mgr_mean" in caplog.text and "boom" in caplog.text
+    expected = torch.tensor([True, True, True, False, False, False, True, True])
+    assert torch.equal(res.valid, expected)
+    assert torch.equal(res.components["test_mgr_mean/reward"].isnan(), ~expected)
+    assert torch.allclose(res.total[expected], _means(x)[expected] + 0.25)
+    m = res.metrics()
+    assert m["test_mgr_mean/errors"] == 1.0 and m["test_mgr_const/errors"] == 0.0
+    assert m["invalid_fraction"] == pytest.approx(3 / 8)
+    assert mgr.state_dict()["failure_counts"]["test_mgr_mean"]["errors"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- placement
+class _Method(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 2)
+        self.rewards = RewardManager([{"name": "test_mgr_param"}, {"name": "test_mgr_const"}])
+
+
+def test_manager_is_outside_the_lightning_module():
+    method = _Method()
+    mgr = method.rewards
+    assert not isinstance(mgr, torch.nn.Module)
+    mgr.build()
+    method.train()
+    model = mgr["test_mgr_param"]
+    assert not model.training and not model.w.requires_grad
+    assert set(method.state_dict()) == {"net.weight", "net.bias"}
+    assert len(list(method.parameters())) == 2
+    assert all(p is not model.w for p in method.parameters())
+    assert "rewards" not in dict(method.named_children())
+    assert mgr.to("cpu") is mgr and mgr.device == torch.device("cpu")
+    assert model.w.device.type == "cpu"
+
+
+def test_build_context_goes_to_rewards_that_take_it():
+    mgr = RewardManager([{"name": "test_mgr_world"}, {"name": "test_mgr_world", "world": {"k": 5}},
+                         {"name": "test_mgr_const"}])
+    assert mgr.names == ["test_mgr_world", "test_mgr_world_2", "test_mgr_const"]
+    mgr.build(context={"world": {"k": 2}, "unused": 1})
+    assert mgr["test_mgr_world"].world == {"k": 2}  # from the context
+    assert mgr["test_mgr_world_2"].world == {"k": 5}  # the spec wins
+    res = mgr(torch.rand(2, 1, 3, 4, 4), ["p", "q"])
+    assert torch.allclose(res.total, torch.full((2,), 2 + 5 + 0.25))
+    shapes = build_reward_with_context({"name": "shapes", "calibration_samples": 8},
+                                       {"world": ShapesWorldConfig(num_frames=1)})
+    assert shapes.world.num_frames == 1 and not shapes.training
+
+
+def test_bad_config_errors():
+    with pytest.raises(UnknownRewardError, match="shapes") as err:
+        RewardManager([{"name": "no_such_reward"}])
+    assert "test_mgr_const" in str(err.value)
+    with pytest.raises(ValueError, match="at least one"):
+        RewardManager([])
+    with pytest.raises(ValueError, match="batch_size"):
+        RewardManager([{"name": "test_mgr_const"}], batch_size=-1)
+    with pytest.raises(ValueError, match="batch_size"):
+        RewardManager([{"name": "test_mgr_const"}], batch_size=0)
+    with pytest.raises(ValueError, match="weight"):
+        RewardManager([{"name": "test_mgr_const", "weight": float("nan")}])
+    with pytest.raises(ValueError, match="weight"):
+        RewardManager([RewardSpec("test_mgr_const", weight=float("inf"))])
+    with pytest.raises(ValueError, match="combine"):
+        RewardManager([{"name": "test_mgr_const"}], combine="product")
+    with pytest.raises(ValueError, match="on_error"):
+        RewardManager([{"name": "test_mgr_const"}], on_error="ignore")
+    mgr = RewardManager([{"name": "test_mgr_const"}])
+    with pytest.raises(ValueError, match="3 prompts for a batch of 2"):
+        mgr(torch.rand(2, 1, 3, 4, 4), ["a", "b", "c"])
+    with pytest.raises(ValueError, match="B, T, C, H, W"):
+        mgr(torch.rand(2, 3, 4, 4), ["a", "b"])
