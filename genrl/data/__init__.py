@@ -10,6 +10,7 @@ from genrl.data.video_io import (
     read_video,
     write_video,
 )
+from genrl.data.prompts import PromptDataModule, PromptRecord, load_prompts
 
 __all__ = [
     "ShapeSpec",
@@ -23,4 +24,7 @@ __all__ = [
     "probe_video",
     "read_video",
     "write_video",
+    "PromptDataModule",
+    "PromptRecord",
+    "load_prompts",
 ]
