@@ -5,8 +5,9 @@ adaLN-Zero blocks, zero-initialised output layer; plus text cross-attention (as 
 per-token text-encoder states, fixed 3-D sin-cos positions, per-frame noise levels (Diffusion Forcing,
 Chen et al. 2024; DFoT, Song et al. 2025) and optional block-causal attention by chunk (CausVid /
 Self-Forcing). Like every diffusers model, the constructor is the config: the same class serves the
-shipped 1.5M-parameter base model and a 20k-parameter test model, and it saves / loads with
-``save_pretrained`` / ``from_pretrained`` from a local folder.
+shipped 1.6M-parameter base model and a 20k-parameter test model, it saves / loads with
+``save_pretrained`` / ``from_pretrained`` from a local folder, and takes LoRA adapters through peft
+(``add_adapter``, ``disable_adapters``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.loaders import PeftAdapterMixin
 from diffusers.models.modeling_utils import ModelMixin
 from einops import rearrange
 from torch import nn
@@ -133,7 +135,7 @@ class _DiTBlock(nn.Module):
         return x + gate2 * self.mlp(h)
 
 
-class VideoDiT(ModelMixin, ConfigMixin):
+class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """Small text-conditioned video DiT predicting the flow-matching velocity ``v = eps - x0``.
 
     Input layout is genrl's native one, ``[B, T, C, H, W]`` (an image is ``T = 1``). The noise level is

@@ -84,14 +84,20 @@ class TextEncoder(nn.Module):
         tokenizer: its tokenizer (any ``PreTrainedTokenizerBase``).
         max_length: tokens kept per prompt (truncation), including special tokens.
         cache_size: prompts whose encodings are kept (CPU, float32); 0 disables the cache.
+        pad_to_max_length: always return ``L = max_length`` tokens (padding masked). Fixed shapes make a
+            sample's output independent of the other prompts in its batch, bit for bit (the rollout
+            sampler relies on it to regenerate a sample alone).
     """
 
-    def __init__(self, model: nn.Module, tokenizer, max_length: int = 32, cache_size: int = 4096) -> None:
+    def __init__(
+        self, model: nn.Module, tokenizer, max_length: int = 32, cache_size: int = 4096, pad_to_max_length: bool = True
+    ) -> None:
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.cache_size = cache_size
+        self.pad_to_max_length = pad_to_max_length
         self._cache: dict[str, torch.Tensor] = {}
 
     @property
@@ -131,7 +137,8 @@ class TextEncoder(nn.Module):
         Args:
             prompts: B strings ("" is the null prompt used for classifier-free guidance).
         Returns:
-            :class:`Conditioning` with float32 hidden states [B, L, D] (L = longest prompt in tokens) on
+            :class:`Conditioning` with float32 hidden states [B, L, D] (L = max_length, or the longest prompt
+            in tokens without ``pad_to_max_length``) on
             the encoder's device, and the bool mask [B, L].
         Raises:
             TypeError: ``prompts`` is a single string or holds non-strings.
@@ -146,7 +153,7 @@ class TextEncoder(nn.Module):
                     self._cache.pop(next(iter(self._cache)))
                 self._cache[p] = h
         states = [self._cache[p] if p in self._cache else encoded[p] for p in prompts]
-        length = max(s.shape[0] for s in states)
+        length = self.max_length if self.pad_to_max_length else max(s.shape[0] for s in states)
         device = next(self.model.parameters()).device
         hidden = torch.zeros(len(prompts), length, states[0].shape[1])
         mask = torch.zeros(len(prompts), length, dtype=torch.bool)

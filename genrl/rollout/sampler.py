@@ -1,0 +1,319 @@
+"""The rollout sampler shared by every method and by evaluation.
+
+One loop over a sigma schedule; at each step a guided velocity (CFG in the standard form) and one step
+kernel from :mod:`genrl.flow.sde` (deterministic Euler ODE, Flow-GRPO SDE, DanceGRPO SDE). The kernel is
+the same pure function the losses call through :func:`transition_log_prob`, so a recomputed log-prob with
+unchanged weights equals the rollout's bit for bit (importance ratio exactly 1 on the first update).
+
+Reproducibility (DESIGN.md section 2): the initial noise of sample i is drawn from (seed, i, step 0) and
+the noise of its SDE step k from (seed, i, step k + 1); the network runs in fixed-size micro-batches
+(the last one padded by repetition) and text is padded to a fixed length, so a sample's trajectory does
+not depend on which other samples share its batch: regenerating sample i alone reproduces it bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from genrl.flow import cfg_combine, sigma_schedule
+from genrl.flow.sde import sde_step, step_log_prob
+from genrl.models.text_encoder import Conditioning
+from genrl.rollout.noise import mix_seed, randn_per_sample
+
+__all__ = ["RolloutConfig", "Trajectory", "rollout", "guided_velocity", "transition_log_prob", "sde_mask"]
+
+Kernel = Literal["ode", "flow_grpo", "dance_grpo"]
+
+
+@dataclass
+class RolloutConfig:
+    """How rollouts are sampled (a typed config block of every method).
+
+    Attributes:
+        num_steps: denoising steps S (Flow-GRPO trains with 10, evaluates with 40).
+        shift: sigma-schedule shift s, sigma' = s sigma / (1 + (s - 1) sigma).
+        kernel: ``"ode"``, ``"flow_grpo"`` (g = a sqrt(sigma / (1 - sigma)), a = ``noise_level``) or
+            ``"dance_grpo"`` (g = eta = ``noise_level``); grpo.md section 1.2.
+        noise_level: a (Flow-GRPO, default 0.7) or eta (DanceGRPO, 0.3).
+        cfg_scale: guidance scale w of the rollout policy (1 = conditional model only).
+        sde_steps: which steps are stochastic, hence recorded and trainable: ``"all"``; ``"prefix"`` (the first
+            ``num_sde_steps``, Flow-GRPO's timestep fraction); ``"window"`` (``num_sde_steps`` consecutive steps
+            starting uniformly in [``window_start``, ``window_end`` - ``num_sde_steps``], redrawn per rollout,
+            Flow-GRPO-Fast). Other steps are ODE steps.
+        num_sde_steps: see ``sde_steps``; ignored for ``"all"``.
+        window_start, window_end: range of the window (``window_end`` None = ``num_steps``).
+        skip_last_step: never make the last step stochastic (its Gaussian is so narrow that log-probs blow
+            up; Flow-GRPO and DanceGRPO exclude it).
+        micro_batch_size: samples per network call (the last call is padded by repetition); fixed shapes
+            make results independent of batch composition.
+        null_prompt: the unconditional prompt for CFG.
+    """
+
+    num_steps: int = 10
+    shift: float = 1.0
+    kernel: Kernel = "flow_grpo"
+    noise_level: float = 0.7
+    cfg_scale: float = 1.0
+    sde_steps: Literal["all", "prefix", "window"] = "all"
+    num_sde_steps: int = 2
+    window_start: int = 0
+    window_end: int | None = None
+    skip_last_step: bool = True
+    micro_batch_size: int = 8
+    null_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
+        if self.kernel not in ("ode", "flow_grpo", "dance_grpo"):
+            raise ValueError(f"unknown kernel {self.kernel!r}; use 'ode', 'flow_grpo' or 'dance_grpo'")
+        if self.noise_level < 0 or self.cfg_scale < 0:
+            raise ValueError(f"noise_level and cfg_scale must be >= 0, got {self.noise_level}, {self.cfg_scale}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.sde_steps != "all" and not 1 <= self.num_sde_steps <= self.num_steps:
+            raise ValueError(f"num_sde_steps must be in [1, num_steps={self.num_steps}], got {self.num_sde_steps}")
+
+    def sigmas(self) -> torch.Tensor:
+        """The float64 sigma schedule [num_steps + 1], from shift(1) down to 0."""
+        return sigma_schedule(self.num_steps, shift=self.shift)
+
+
+def sde_mask(config: RolloutConfig, seed: int, rollout_id: int = 0) -> torch.Tensor:
+    """bool [num_steps]: which steps use the stochastic kernel. The window start is drawn from
+    (seed, rollout_id), the same for every sample and rank of one rollout."""
+    s = config.num_steps
+    mask = torch.zeros(s, dtype=torch.bool)
+    if config.kernel == "ode":
+        return mask
+    if config.sde_steps == "all":
+        mask[:] = True
+    elif config.sde_steps == "prefix":
+        mask[: config.num_sde_steps] = True
+    else:
+        end = config.window_end if config.window_end is not None else s
+        hi = end - config.num_sde_steps
+        if hi < config.window_start:
+            raise ValueError(
+                f"window of {config.num_sde_steps} steps does not fit in [{config.window_start}, {end})"
+            )
+        g = torch.Generator().manual_seed(mix_seed(seed, rollout_id, 0, 99))
+        k = int(torch.randint(config.window_start, hi + 1, (1,), generator=g))
+        mask[k : k + config.num_sde_steps] = True
+    if config.skip_last_step:
+        mask[-1] = False
+    return mask
+
+
+@dataclass
+class Trajectory:
+    """What a rollout recorded (``record=True``); tensors on the CPU except ``final``.
+
+    Attributes:
+        latents: [B, S + 1, *latent] the state before every step and the final sample.
+        sigmas: float64 [S + 1] schedule; step k goes from sigmas[k] to sigmas[k + 1].
+        sde_mask: bool [S], stochastic (trainable) steps.
+        log_probs: float32 [B, S] per-step Gaussian log-probs, mean over latent elements (0 on ODE steps).
+        means, stds: [B, S, *latent] and [S] of the SDE transitions (None unless ``record_moments``).
+        noises: [B, S, *latent] the unit Gaussian noise of each step (0 on ODE steps).
+        final: [B, *latent] final latents (on the generator's device).
+        seed, indices, prompts: the addresses that regenerate each sample.
+        config: the :class:`RolloutConfig` used.
+    """
+
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    sde_mask: torch.Tensor
+    log_probs: torch.Tensor
+    noises: torch.Tensor
+    final: torch.Tensor
+    seed: int
+    indices: torch.Tensor
+    prompts: list[str]
+    config: RolloutConfig
+    means: torch.Tensor | None = None
+    stds: torch.Tensor | None = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def sde_steps(self) -> list[int]:
+        return [int(k) for k in torch.nonzero(self.sde_mask).flatten()]
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> "Trajectory":
+        """The sub-trajectory of samples ``rows`` (for mini-batching the loss)."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        pick = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
+        return Trajectory(
+            latents=self.latents[rows], sigmas=self.sigmas, sde_mask=self.sde_mask, log_probs=self.log_probs[rows],
+            noises=self.noises[rows], final=pick(self.final), seed=self.seed, indices=self.indices[rows],
+            prompts=[self.prompts[int(i)] for i in rows], config=self.config, means=pick(self.means),
+            stds=self.stds, extras=dict(self.extras),
+        )
+
+
+def _micro_batches(n: int, size: int):
+    for start in range(0, n, size):
+        rows = list(range(start, min(n, start + size)))
+        yield rows, rows + [rows[-1]] * (size - len(rows))
+
+
+def guided_velocity(
+    generator, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, uncond: Conditioning | None,
+    cfg_scale: float, micro_batch_size: int,
+) -> torch.Tensor:
+    """Velocity with CFG ``v_u + w (v_c - v_u)`` (Ho & Salimans 2022), evaluated in fixed micro-batches.
+
+    Args:
+        x: [B, *latent]; sigma: [B] or [B, T]; cond / uncond: B prompts each (uncond None when w = 1).
+    Returns:
+        float32 velocity [B, *latent]; differentiable when grad is enabled.
+    """
+    outs = []
+    for rows, padded in _micro_batches(x.shape[0], micro_batch_size):
+        idx = torch.tensor(padded, device=x.device)
+        xb, sb = x[idx], sigma[idx]
+        cb = Conditioning(cond.hidden_states[idx], cond.attention_mask[idx], [cond.prompts[i] for i in padded])
+        if uncond is not None and cfg_scale != 1.0:
+            ub = Conditioning(uncond.hidden_states[idx], uncond.attention_mask[idx], [uncond.prompts[i] for i in padded])
+            v_c, v_u = generator.velocity(torch.cat([xb, xb]), torch.cat([sb, sb]), Conditioning.cat([cb, ub])).float().chunk(2)
+            v = cfg_combine(v_c, v_u, cfg_scale)
+        else:
+            v = generator.velocity(xb, sb, cb).float()
+        outs.append(v[: len(rows)])
+    return torch.cat(outs)
+
+
+def _encode(generator, prompts: list[str], config: RolloutConfig):
+    cond = generator.encode_prompts(prompts)
+    uncond = generator.encode_prompts([config.null_prompt] * len(prompts)) if config.cfg_scale != 1.0 else None
+    return cond, uncond
+
+
+def rollout(
+    generator,
+    prompts: list[str],
+    latent_shape: Sequence[int],
+    seed: int,
+    indices: Sequence[int] | torch.Tensor | None = None,
+    config: RolloutConfig | None = None,
+    rollout_id: int = 0,
+    record: bool = True,
+    record_moments: bool = False,
+    grad: Literal["none", "full"] = "none",
+    progress: bool = False,
+) -> Trajectory:
+    """Sample a batch of trajectories.
+
+    Args:
+        generator: any :class:`~genrl.models.generator.Generator`.
+        prompts: B prompts (repeat a prompt K times for a GRPO group).
+        latent_shape: per-sample latent shape, e.g. (T, C, H, W).
+        seed: run seed; indices: per-sample global ids (default 0..B-1); together they address all noise.
+        config: the :class:`RolloutConfig`.
+        rollout_id: id of this rollout (e.g. the iteration), which draws the SDE window.
+        record: keep latents / noises / log-probs per step (False: only ``final`` and ``log_probs``).
+        record_moments: also keep the SDE means and stds.
+        grad: ``"none"`` (RL rollouts) or ``"full"`` (backpropagate through every step; small models only).
+        progress: show a progress bar over steps.
+    Returns:
+        :class:`Trajectory`.
+    Raises:
+        ValueError: len(indices) != len(prompts), or an unknown grad policy.
+    """
+    config = config or RolloutConfig()
+    if grad not in ("none", "full"):
+        raise ValueError(f"grad must be 'none' or 'full', got {grad!r}")
+    n = len(prompts)
+    indices = torch.arange(n) if indices is None else torch.as_tensor(list(map(int, indices)), dtype=torch.long)
+    if len(indices) != n:
+        raise ValueError(f"{len(indices)} indices for {n} prompts")
+    device = generator.device
+    sigmas = config.sigmas()
+    mask = sde_mask(config, seed, rollout_id)
+    sig32 = sigmas.to(device=device, dtype=torch.float32)
+    sigma_at_one = float(sigmas[1]) if config.num_steps > 1 else None
+    ctx = torch.enable_grad() if grad == "full" else torch.no_grad()
+    with ctx:
+        cond, uncond = _encode(generator, list(prompts), config)
+        x = randn_per_sample(latent_shape, seed, indices, step=0, device=device)
+        latents, noises, log_probs, means = [x.detach().cpu()], [], [], []
+        steps = range(config.num_steps)
+        if progress:
+            from rich.progress import track
+
+            steps = track(steps, description="rollout")
+        for k in steps:
+            s = sig32[k].expand(n)
+            v = guided_velocity(generator, x, s, cond, uncond, config.cfg_scale, config.micro_batch_size)
+            if mask[k]:
+                noise = randn_per_sample(latent_shape, seed, indices, step=k + 1, device=device)
+                kind = config.kernel
+            else:
+                noise = torch.zeros_like(x)
+                kind = "ode"
+            out = sde_step(kind, x, v, sig32[k], sig32[k + 1], noise, noise_level=config.noise_level,
+                           sigma_at_one=sigma_at_one)
+            x = out.sample
+            log_probs.append(out.log_prob.detach().float().cpu())
+            if record:
+                latents.append(x.detach().cpu())
+                noises.append(noise.detach().cpu())
+                if record_moments:
+                    means.append((out.mean.detach().cpu(), float(out.std.flatten()[0]) if out.std.numel() else 0.0))
+    empty = torch.empty(0)
+    return Trajectory(
+        latents=torch.stack(latents, dim=1) if record else empty,
+        sigmas=sigmas,
+        sde_mask=mask,
+        log_probs=torch.stack(log_probs, dim=1),
+        noises=torch.stack(noises, dim=1) if record else empty,
+        final=x,
+        seed=seed,
+        indices=indices,
+        prompts=list(prompts),
+        config=config,
+        means=torch.stack([m for m, _ in means], dim=1) if record_moments else None,
+        stds=torch.tensor([s for _, s in means]) if record_moments else None,
+    )
+
+
+def transition_log_prob(
+    generator, traj: Trajectory, step: int, cond: Conditioning | None = None, uncond: Conditioning | None = None,
+    cfg_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-prob of the recorded transition ``latents[:, step] -> latents[:, step + 1]`` under the current weights.
+
+    Uses the same guided velocity (same micro-batches, same CFG) and the same kernel as :func:`rollout`,
+    so with unchanged weights the result equals ``traj.log_probs[:, step]`` exactly.
+
+    Args:
+        traj: a recorded trajectory; step: a stochastic step (``traj.sde_mask[step]``).
+        cond, uncond: encodings of ``traj.prompts`` (computed when None).
+        cfg_scale: guidance of the trained policy (default: the rollout's).
+    Returns:
+        (log_prob float32 [B] with grad, velocity [B, *latent], mean [B, *latent]).
+    Raises:
+        ValueError: ``step`` is not a stochastic step of the trajectory, or it was not recorded.
+    """
+    config = traj.config
+    if traj.latents.numel() == 0:
+        raise ValueError("the trajectory was sampled with record=False; rerun the rollout with record=True")
+    if not bool(traj.sde_mask[step]):
+        raise ValueError(f"step {step} is an ODE step of this trajectory; trainable steps: {traj.sde_steps}")
+    device = generator.device
+    if cond is None:
+        cond, uncond = _encode(generator, traj.prompts, config)
+    w = config.cfg_scale if cfg_scale is None else cfg_scale
+    sig32 = traj.sigmas.to(device=device, dtype=torch.float32)
+    x = traj.latents[:, step].to(device)
+    sample = traj.latents[:, step + 1].to(device)
+    n = x.shape[0]
+    v = guided_velocity(generator, x, sig32[step].expand(n), cond, uncond, w, config.micro_batch_size)
+    sigma_at_one = float(traj.sigmas[1]) if config.num_steps > 1 else None
+    log_prob, mean, _ = step_log_prob(config.kernel, x, v, sig32[step], sig32[step + 1], sample,
+                                      noise_level=config.noise_level, sigma_at_one=sigma_at_one)
+    return log_prob, v, mean
