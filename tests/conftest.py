@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("GENRL_TEST_THREADS", "2")))
 
 TINY_WORDS = (
     "a an the red green blue yellow magenta cyan white orange circle square triangle moving moves then "
@@ -53,3 +53,18 @@ def tiny_text_encoder(tmp_path_factory) -> str:
 
 
 TINY_DIT = dict(hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=16, patch_size=[2, 2, 2])
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory) -> str:
+    """A tiny VideoDiT with random (not zero-initialised) weights, saved with save_pretrained."""
+    from genrl.models import VideoDiT
+
+    torch.manual_seed(0)
+    dit = VideoDiT(**TINY_DIT)
+    with torch.no_grad():
+        for p in dit.parameters():
+            p.normal_(0.0, 0.05)
+    folder = tmp_path_factory.mktemp("tiny_policy")
+    dit.save_pretrained(folder)
+    return str(folder)

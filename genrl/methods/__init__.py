@@ -1,5 +1,6 @@
 """One LightningModule per method; methods compose the shared sampler, losses and rewards."""
 
+from genrl.methods.grpo import GRPO, LoraSpec
 from genrl.methods.pretrain import FlowMatchingPretrain
 
-__all__ = ["FlowMatchingPretrain"]
+__all__ = ["FlowMatchingPretrain", "GRPO", "LoraSpec"]

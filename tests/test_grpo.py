@@ -1,0 +1,138 @@
+"""GRPO through the real CLI on a tiny random policy: resume, training signal, LoRA, rewards, bad input."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from genrl.cli import GenRLCLI
+from genrl.rewards import RewardModel, register_reward
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = str(ROOT / "configs/quickstart.yaml")
+TINY = str(ROOT / "configs/tiny/grpo.yaml")
+
+
+POLICY: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _random_tiny_policy(tiny_policy):
+    # a tiny policy with random (not zero-initialised) weights, loaded through the pretrained path
+    POLICY[:] = [f"--model.init_args.transformer.pretrained={tiny_policy}", "--model.init_args.transformer.config={}"]
+
+
+def _fit(args: list[str], run: bool = True) -> GenRLCLI:
+    import genrl.data  # noqa: F401
+    import genrl.methods  # noqa: F401
+
+    base = ["--config", QUICK, "--config", TINY, "--trainer.enable_progress_bar=false", *POLICY]
+    return GenRLCLI(args=(["fit"] if run else []) + base + args, run=run)
+
+
+def _trainable(cli) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in cli.model.generator.transformer.named_parameters()}
+
+
+@register_reward("test_half_nan")
+class _HalfNaN(RewardModel):
+    """Brightness reward that fails (NaN, valid False) on every other sample."""
+
+    def score(self, pixels, prompts, **meta):
+        r = pixels.mean(dim=(1, 2, 3, 4))
+        valid = torch.arange(len(prompts)) % 2 == 0
+        return {"reward": torch.where(valid, r, torch.nan), "valid": valid}
+
+
+@register_reward("test_all_nan")
+class _AllNaN(RewardModel):
+    def score(self, pixels, prompts, **meta):
+        return {"reward": torch.full((len(prompts),), math.nan)}
+
+
+def test_resume_equals_uninterrupted_and_params_change(tmp_path, monkeypatch, tiny_text_encoder):
+    enc = f"--model.init_args.text_encoder={tiny_text_encoder}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    full = _fit([enc, "--trainer.max_steps=4"])
+    assert int(full.model.iteration) == 4 and full.trainer.global_step == 4
+    after_full = _trainable(full)
+    monkeypatch.chdir(tmp_path / "b")
+    first = _fit([enc, "--trainer.max_steps=2"])
+    after_two = _trainable(first)
+    resumed = _fit([enc, "--trainer.max_steps=4", "--ckpt_path=last"])
+    assert int(resumed.model.iteration) == 4
+    after_resume = _trainable(resumed)
+    for k in after_full:
+        assert torch.allclose(after_full[k], after_resume[k], atol=1e-6, rtol=0), k
+    changed = [k for k in after_full if not torch.equal(after_full[k], after_two[k])]
+    assert len(changed) > len(after_full) // 2, "GRPO steps did not change the policy"
+    metrics = resumed.trainer.logged_metrics
+    assert "reward/shapes/reward" in metrics and "train/ratio_mean" in metrics
+    assert list(Path("runs/quickstart").rglob("*.mp4"))
+
+
+def test_first_update_has_ratio_one_and_no_clipping(tmp_path, monkeypatch, tiny_text_encoder):
+    monkeypatch.chdir(tmp_path)
+    cli = _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1"])
+    m = cli.trainer.logged_metrics
+    # one mini-batch, one epoch: every log-prob is recomputed before the first optimizer step
+    assert float(m["train/ratio_mean"]) == 1.0
+    assert float(m["train/clipfrac"]) == 0.0
+    assert float(m["train/approx_kl"]) == 0.0
+
+
+def test_lora_trains_only_the_adapter_and_kl_reference(tmp_path, monkeypatch, tiny_text_encoder):
+    monkeypatch.chdir(tmp_path)
+    cli = _fit([
+        f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=2",
+        "--model.init_args.lora.rank=4", "--model.init_args.kl_beta=0.1",
+    ], run=False)
+    cli.model.configure_model()
+    before = _trainable(cli)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    after = _trainable(cli)
+    lora = [k for k in after if "lora_" in k]
+    assert lora and all(not torch.equal(before[k], after[k]) for k in lora if "lora_B" in k)
+    base = [k for k in after if "lora_" not in k]
+    assert all(torch.equal(before[k], after[k]) for k in base), "LoRA training changed base weights"
+    assert "train/kl" in cli.trainer.logged_metrics and float(cli.trainer.logged_metrics["train/kl"]) >= 0
+
+
+def test_nan_rewards_are_masked_not_zeroed(tmp_path, monkeypatch, tiny_text_encoder):
+    monkeypatch.chdir(tmp_path)
+    cli = _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1",
+                "--model.init_args.rewards=[{name: test_half_nan}]", "--trainer.limit_val_batches=0"])
+    m = cli.trainer.logged_metrics
+    assert float(m["reward/invalid_fraction"]) == 0.5
+    assert math.isfinite(float(m["reward/total"]))
+
+
+def test_all_invalid_rewards_skip_the_update_with_a_warning(tmp_path, monkeypatch, tiny_text_encoder):
+    monkeypatch.chdir(tmp_path)
+    cli = _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1",
+                "--model.init_args.rewards=[{name: test_all_nan}]", "--trainer.limit_val_batches=0"], run=False)
+    cli.model.configure_model()
+    before = _trainable(cli)
+    cli.trainer.fit_loop.max_batches = 1
+    with pytest.warns(UserWarning, match="every reward of this batch is invalid"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert all(torch.equal(before[k], v) for k, v in _trainable(cli).items())
+    assert float(cli.trainer.logged_metrics["reward/invalid_fraction"]) == 1.0
+
+
+def test_bad_config_errors(tmp_path, monkeypatch, tiny_text_encoder):
+    monkeypatch.chdir(tmp_path)
+    enc = f"--model.init_args.text_encoder={tiny_text_encoder}"
+    with pytest.raises(Exception, match="no_such_reward"):
+        _fit([enc, "--model.init_args.rewards=[{name: no_such_reward}]"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="empty.txt"):
+        _fit([enc, f"--data.init_args.train={empty}"])
+    with pytest.raises(ValueError, match="mini_batch_size"):
+        _fit([enc, "--model.init_args.mini_batch_size=3"])
