@@ -57,7 +57,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal
 
 import torch
+
 from torch import Tensor
+
+from genrl.flow.policy import group_advantages, group_stats
 
 from genrl.rewards.base import RewardModel
 from genrl.rewards.registry import RewardSpec, get_reward_class
@@ -81,8 +84,6 @@ _SPEC_FIELDS = tuple(f.name for f in fields(RewardSpec))
 _RESERVED = ("path", "scale", "shift")
 #: eps of the z-score denominator ``std + eps``.
 ZSCORE_EPS = 1e-6
-#: A group whose reward std is below this gets exactly zero advantage.
-ZERO_STD = 1e-6
 
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -272,72 +273,6 @@ def _group_index(group_ids: Tensor | Sequence[Any], n: int) -> Tensor:
     return torch.tensor([index.setdefault(g, len(index)) for g in ids], dtype=torch.int64)
 
 
-def _group_std(r: Tensor, inverse: Tensor, valid: Tensor, ddof: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-group (count, mean, std) over valid samples, float64; std is 0 for groups with count <= ddof."""
-    g = int(inverse.max()) + 1 if len(inverse) else 0
-    w = valid.double()
-    rz = torch.where(valid, r, torch.zeros_like(r))
-    count = torch.zeros(g, dtype=torch.float64).index_add_(0, inverse, w)
-    mean = torch.zeros(g, dtype=torch.float64).index_add_(0, inverse, rz) / count.clamp_min(1)
-    dev = torch.where(valid, r - mean[inverse], torch.zeros_like(r))
-    ss = torch.zeros(g, dtype=torch.float64).index_add_(0, inverse, dev * dev)
-    dof = count - ddof
-    std = torch.where(dof > 0, (ss / dof.clamp_min(1)).sqrt(), torch.zeros_like(ss))
-    return count, mean, std
-
-
-def _group_advantages(
-    rewards: Tensor,
-    group_ids: Tensor,
-    std: str = "group",
-    eps: float = 1e-4,
-    ddof: int = 0,
-    valid: Tensor | None = None,
-) -> Tensor:
-    """Local fallback with the semantics of ``genrl.flow.group_advantages`` (used when that does not exist).
-
-    ``(r - group mean) / (scale + eps)`` with scale the group's std (``"group"``), the std of all valid samples
-    (``"global"``) or 1 (``"none"``); statistics over valid, finite samples only; exactly 0 for invalid samples
-    and for groups whose std is below :data:`ZERO_STD`. float32 [B] out, float64 inside.
-    """
-    if std not in ("group", "global", "none"):
-        raise ValueError(f"std must be 'group', 'global' or 'none', got {std!r}")
-    r = rewards.detach().cpu().double().reshape(-1)
-    inverse = _group_index(group_ids, len(r))
-    ok = torch.isfinite(r)
-    if valid is not None:
-        ok = ok & valid.detach().cpu().to(torch.bool).reshape(-1)
-    r = torch.where(ok, r, torch.zeros_like(r))
-    _, mean, gstd = _group_std(r, inverse, ok, ddof)
-    dev = r - mean[inverse] if len(r) else r
-    if std == "group":
-        denom = gstd[inverse] + eps
-    elif std == "global":
-        n = int(ok.sum())
-        if n - ddof > 0:
-            x = r[ok]
-            denom = torch.full_like(r, float(((x - x.mean()) ** 2).sum() / (n - ddof)) ** 0.5 + eps)
-        else:
-            denom = torch.ones_like(r)
-    else:
-        denom = torch.ones_like(r)
-    adv = dev / denom
-    zero = ~ok | (gstd[inverse] < ZERO_STD) if len(r) else ~ok
-    return torch.where(zero, torch.zeros_like(adv), adv).float()
-
-
-def _resolve_group_advantages() -> Callable[..., Tensor]:
-    """``genrl.flow.group_advantages`` when the flow library provides it, else the local fallback."""
-    try:
-        from genrl.flow import group_advantages  # type: ignore[attr-defined]
-    except ImportError:
-        try:
-            from genrl.flow.policy import group_advantages  # type: ignore[attr-defined]
-        except ImportError:
-            return _group_advantages
-    return group_advantages
-
-
 def per_reward_advantages(
     result: RewardResult,
     group_ids: Tensor | Sequence[Any],
@@ -352,7 +287,7 @@ def per_reward_advantages(
     Statistics of every reward are taken over the samples valid for the whole result (``result.valid``), so
     all rewards standardise the same set. Invalid samples get advantage exactly 0 (mask them out of the loss
     with ``result.valid`` as well), and so does every group whose reward std is below 1e-6 for that reward.
-    Uses ``genrl.flow.group_advantages`` when available, else a local function with the same semantics.
+    Uses :func:`genrl.flow.group_advantages` per reward.
     Group statistics need the whole group: in multi-rank runs gather the result across ranks first.
 
     Args:
@@ -374,22 +309,17 @@ def per_reward_advantages(
     """
     n = len(result)
     inverse = _group_index(group_ids, n)
-    fn = _resolve_group_advantages()
     total = torch.zeros(n, dtype=torch.float32)
     per: dict[str, Tensor] = {}
     details: dict[str, float] = {}
     for name, r in result.rewards.items():
-        adv = fn(r, inverse, std=std, eps=eps, ddof=ddof, valid=result.valid).detach().cpu().float()
+        adv = group_advantages(r, inverse, std=std, eps=eps, ddof=ddof, valid=result.valid).detach().cpu().float()
         adv = torch.where(result.valid, adv, torch.zeros_like(adv))
         per[name] = adv
         total = total + result.weights[name] * adv
         if return_details and n:
             ok = result.valid & torch.isfinite(r)
-            count, _, gstd = _group_std(torch.where(ok, r.double(), 0.0), inverse, ok, ddof)
-            present = count > 0
-            details[f"{name}/zero_std_groups"] = (
-                float((gstd[present] < ZERO_STD).double().mean()) if bool(present.any()) else float("nan")
-            )
+            details[f"{name}/zero_std_groups"] = float(group_stats(r, inverse, valid=ok)["zero_std_fraction"])
     if return_details:
         return total, per, details
     return total
