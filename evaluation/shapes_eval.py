@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -87,8 +88,11 @@ def main(argv: list[str] | None = None) -> dict:
         generator.cuda()
     prompts = shapes_prompts(world, args.split, args.num_prompts, seed=0, multi_step=args.multi_step)
     t0 = time.time()
-    per_seed = [evaluate(generator, world, prompts, s, args.steps, args.cfg_scale, args.shift) for s in args.seeds]
-    keys = list(per_seed[0])
+    per_seed = []
+    for s in args.seeds:
+        per_seed.append(evaluate(generator, world, prompts, s, args.steps, args.cfg_scale, args.shift))
+        print(f"seed {s}: " + ", ".join(f"{k} {v:.3f}" for k, v in per_seed[-1].items()), flush=True)
+    keys = [k for k in per_seed[0] if not any(math.isnan(r[k]) for r in per_seed)]  # drop not-applicable keys
     summary = {
         k: {
             "mean": statistics.fmean(r[k] for r in per_seed),

@@ -304,9 +304,8 @@ class GRPO(LightningModule):
         self.log("train/iteration", float(self.iteration), batch_size=bs)
 
     def _gather_result(self, result):
-        if self._trainer is None or self.trainer.world_size == 1:
-            return result
-        raise NotImplementedError("advantage_sum across several ranks is not supported yet; use weighted_sum")
+        """The reward result of the whole global batch (every [B] tensor all-gathered across ranks)."""
+        return result.map_tensors(self._gather)
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict, batch_idx: int) -> dict:

@@ -99,15 +99,11 @@ class FlowMatchingPretrain(LightningModule):
     def setup(self, stage: str) -> None:
         self.configure_model()
         if not self._rewards and self.hparams.val_rewards:
-            from genrl.rewards import build_reward
+            from genrl.rewards import build_reward_with_context
 
-            world = getattr(getattr(self.trainer, "datamodule", None), "world", None) if self._trainer else None
-            for spec in self.hparams.val_rewards:
-                spec = dict(spec)
-                name = spec.pop("name")
-                if name == "shapes" and world is not None:
-                    spec.setdefault("world", world)
-                self._rewards.append(build_reward(name, **spec).eval())
+            world = getattr(getattr(self._trainer, "datamodule", None), "world", None) if self._trainer else None
+            context = {"world": world} if world is not None else {}
+            self._rewards = [build_reward_with_context(spec, context) for spec in self.hparams.val_rewards]
 
     def configure_optimizers(self):
         opt = self.optimizer_factory(self.generator.transformer.parameters())

@@ -42,6 +42,8 @@ Output keys (float32 [B]; plus the protocol's bool ``"valid"``):
 ``step_following``  P(both segments correct). NaN for single-step and image captions
 ``consistency``     temporal stability of area and color in [0, 1]. NaN for single frames (T = 1)
 ``all_correct``     1.0 when the argmax class equals the stated class for every stated attribute, else 0.0
+``<attr>_correct``  hard per-attribute accuracy (argmax == stated class) for color, shape, direction (both
+                    segments for multi-step) and speed; NaN where the caption does not state the attribute
 ==================  ==========================================================================================
 
 NaN in an attribute key means "not stated / not applicable", not a failure; ``valid`` is False only for
@@ -112,7 +114,10 @@ class ShapesVerifier(RewardModel):
     """
 
     differentiable = False
-    dimensions = ("reward", "color", "shape", "direction", "speed", "step_following", "consistency", "all_correct")
+    dimensions = (
+        "reward", "color", "shape", "direction", "speed", "step_following", "consistency", "all_correct",
+        "color_correct", "shape_correct", "direction_correct", "speed_correct",
+    )
     higher_is_better = True
     channels = (3,)
 
@@ -335,7 +340,9 @@ class ShapesVerifier(RewardModel):
         ci = idx([w.colors.index(s.color) for s in specs])
         si = idx([w.shapes.index(s.shape) for s in specs])
         color, shape = pick(p_color, ci), pick(p_shape, si)
-        correct = hit(p_color, ci, has_fg) & hit(p_shape, si, has_fg)
+        color_ok, shape_ok = hit(p_color, ci, has_fg), hit(p_shape, si, has_fg)
+        correct = color_ok & shape_ok
+        direction_ok, speed_ok = nan.clone(), nan.clone()
 
         # motion
         direction, speed, steps = nan.clone(), nan.clone(), nan.clone()
@@ -362,9 +369,12 @@ class ShapesVerifier(RewardModel):
             steps = torch.where(multi, a1 * a2, steps)
             stated_speed = sp >= 0
             speed = torch.where(stated_speed, pick(p_speed, sp), speed)
-            correct &= ~single | hit(p_all, d1, ok_all)
-            correct &= ~multi | (hit(p1, d1, ok1) & hit(p2, d2, ok2))
-            correct &= ~stated_speed | hit(p_speed, sp, ok_all)
+            dir_hit = torch.where(single, hit(p_all, d1, ok_all), hit(p1, d1, ok1) & hit(p2, d2, ok2))
+            speed_hit = hit(p_speed, sp, ok_all)
+            correct &= dir_hit
+            correct &= ~stated_speed | speed_hit
+            direction_ok = dir_hit.float()
+            speed_ok = torch.where(stated_speed, speed_hit.float(), nan)
             # temporal consistency of foreground area and color
             mass = m["mass"]
             r_mass = mass.std(1, unbiased=False) / mass.mean(1).clamp(min=1e-8)
@@ -385,6 +395,10 @@ class ShapesVerifier(RewardModel):
             "step_following": steps,
             "consistency": consistency,
             "all_correct": correct.float(),
+            "color_correct": color_ok.float(),
+            "shape_correct": shape_ok.float(),
+            "direction_correct": direction_ok,
+            "speed_correct": speed_ok,
         }
 
     def extra_repr(self) -> str:
