@@ -136,3 +136,26 @@ def test_bad_config_errors(tmp_path, monkeypatch, tiny_text_encoder):
         _fit([enc, f"--data.init_args.train={empty}"])
     with pytest.raises(ValueError, match="mini_batch_size"):
         _fit([enc, "--model.init_args.mini_batch_size=3"])
+
+
+def test_real_text_run_on_vbench_prompts(tmp_path, monkeypatch):
+    """Real input: VBench prompts through the real MiniLM encoder and the shipped base model, for a few steps."""
+    monkeypatch.chdir(tmp_path)
+    POLICY.clear()  # the real shipped policy (assets/shapes-dit), not the tiny one
+    import genrl.data  # noqa: F401
+    import genrl.methods  # noqa: F401
+
+    cli = GenRLCLI(args=[
+        "fit", "--config", QUICK, "--config", str(ROOT / "configs/grpo/vbench_colorfulness.yaml"),
+        "--trainer.enable_progress_bar=false", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+        "--model.init_args.rollout.num_steps=3", "--model.init_args.rollout.sde_steps=all",
+        "--data.init_args.prompts_per_batch=2", "--data.init_args.group_size=2",
+    ])
+    assert cli.model.generator.text_encoder.hidden_size == 384  # the real MiniLM
+    m = cli.trainer.logged_metrics
+    assert math.isfinite(float(m["reward/colorfulness/reward"])) and float(m["reward/invalid_fraction"]) == 0.0
+    assert int(cli.model.iteration) == 2
+    from genrl.data.prompts import load_prompts
+
+    vbench = {r.prompt for r in load_prompts("vbench")}
+    assert len(vbench) > 900

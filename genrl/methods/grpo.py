@@ -150,7 +150,7 @@ class GRPO(LightningModule):
             )
         elif self.hparams.kl_beta > 0:
             reference = copy.deepcopy(transformer).requires_grad_(False).eval()
-        self.generator = DiTGenerator(transformer, encoder)
+        self.generator = DiTGenerator(transformer.train(), encoder)  # from_pretrained returns eval mode
         object.__setattr__(self, "_reference", reference)  # frozen copy, never checkpointed
 
     def setup(self, stage: str) -> None:

@@ -92,7 +92,7 @@ class FlowMatchingPretrain(LightningModule):
         """Build the transformer and load the text encoder (heavy work happens here, not in __init__)."""
         if self.generator is not None:
             return
-        transformer = self.transformer_spec.build()
+        transformer = self.transformer_spec.build().train()  # from_pretrained returns eval mode
         encoder = TextEncoder.from_pretrained(self.hparams.text_encoder, max_length=self.hparams.max_text_length)
         self.generator = DiTGenerator(transformer, encoder)
 
