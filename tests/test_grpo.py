@@ -112,17 +112,11 @@ def test_nan_rewards_are_masked_not_zeroed(tmp_path, monkeypatch, tiny_text_enco
     assert math.isfinite(float(m["reward/total"]))
 
 
-def test_all_invalid_rewards_skip_the_update_with_a_warning(tmp_path, monkeypatch, tiny_text_encoder):
+def test_all_invalid_rewards_stop_with_a_clear_error(tmp_path, monkeypatch, tiny_text_encoder):
     monkeypatch.chdir(tmp_path)
-    cli = _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1",
-                "--model.init_args.rewards=[{name: test_all_nan}]", "--trainer.limit_val_batches=0"], run=False)
-    cli.model.configure_model()
-    before = _trainable(cli)
-    cli.trainer.fit_loop.max_batches = 1
-    with pytest.warns(UserWarning, match="every reward of this batch is invalid"):
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    assert all(torch.equal(before[k], v) for k, v in _trainable(cli).items())
-    assert float(cli.trainer.logged_metrics["reward/invalid_fraction"]) == 1.0
+    with pytest.raises(RuntimeError, match="every reward of the batch is invalid"):
+        _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1",
+              "--model.init_args.rewards=[{name: test_all_nan}]", "--trainer.limit_val_batches=0"])
 
 
 def test_bad_config_errors(tmp_path, monkeypatch, tiny_text_encoder):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -240,10 +239,12 @@ class GRPO(LightningModule):
         self.log("reward/total", float(all_total[all_valid].mean()) if all_valid.any() else math.nan,
                  prog_bar=True, batch_size=bs)
         self.log("reward/invalid_fraction", float((~all_valid).float().mean()), batch_size=bs)
-        if not valid.any():
-            warnings.warn(f"iteration {it}: every reward of this batch is invalid; skipping the update", stacklevel=2)
-            self.iteration += 1
-            return
+        if not all_valid.any():
+            raise RuntimeError(
+                f"iteration {it}: every reward of the batch is invalid (NaN); the reward model is failing "
+                f"(see the reward/*/errors and nan_rewards metrics and the logged warnings); fix it or drop it "
+                f"from model.init_args.rewards"
+            )
 
         # 3. policy update on the stochastic steps
         opt = self.optimizers()
@@ -256,7 +257,7 @@ class GRPO(LightningModule):
                 f"mini_batch_size {mb} does not divide the local batch of {n} samples (prompts_per_batch x "
                 f"group_size / devices); pick a divisor of {n}"
             )
-        rows_all = torch.arange(n)[valid]
+        rows_all = torch.arange(n)  # invalid samples have advantage exactly 0: no gradient, same steps on every rank
         stats_sum: dict[str, float] = {}
         count = 0
         for epoch in range(self.hparams.inner_epochs):
