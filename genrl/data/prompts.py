@@ -51,14 +51,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from genrl.data.shapes import ShapeSpec, ShapesWorldConfig, caption, combos, heldout_combos, sample_seed
-from genrl.data.shapes_datamodule import ShapesTrainLoader
+from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
 
 __all__ = [
     "PromptRecord",
@@ -359,7 +356,7 @@ def _val_batches(records: list[PromptRecord], batch_size: int) -> list[dict[str,
 
 
 # ---------------------------------------------------------------------------------------------- datamodule
-class PromptDataModule(LightningDataModule):
+class PromptDataModule(ResumableStreamDataModule):
     """Prompt data for RL methods: an infinite grouped training stream that resumes exactly, and a fixed val set.
 
     Args:
@@ -416,9 +413,6 @@ class PromptDataModule(LightningDataModule):
         self.hparams["world"] = asdict(self.world)
         self._train_records: list[PromptRecord] | None = None
         self._val_batches: list[dict[str, Any]] | None = None
-        self._train_loader: ShapesTrainLoader | None = None
-        self._loader_trainer: Any = None  # the Trainer the current train loader was built for
-        self._resume_from: int | None = None  # set by load_state_dict
 
     @property
     def train_records(self) -> list[PromptRecord]:
@@ -446,23 +440,6 @@ class PromptDataModule(LightningDataModule):
         loader.load_state_dict({"batches_consumed": start})
         return loader
 
-    def train_dataloader(self) -> ShapesTrainLoader:
-        """The stateful infinite training loader (this rank's slice of every global batch)."""
-        trainer = self.trainer
-        rank, size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        track = False
-        if trainer is not None and trainer.datamodule is self and trainer.lightning_module is not None:
-            step = trainer.lightning_module.training_step
-            track = not is_param_in_hook_signature(step, "dataloader_iter", explicit=True)
-        start = 0
-        if self._train_loader is not None and trainer is not None and self._loader_trainer is trainer:
-            start = self._train_loader.batches_consumed  # a reload within one run continues the stream
-        if self._resume_from is not None:
-            start, self._resume_from = self._resume_from, None
-        loader = self.make_train_loader(rank, size, start, track)
-        self._train_loader, self._loader_trainer = loader, trainer
-        return loader
-
     def val_batches(self) -> list[dict[str, Any]]:
         """The validation set as batch dicts of ``prompts_per_batch * group_size`` prompts (empty without val)."""
         if self._val_batches is None:
@@ -478,26 +455,3 @@ class PromptDataModule(LightningDataModule):
         """The validation batches (same dict format as training, negative ids); empty when disabled."""
         return DataLoader(self.val_batches(), batch_size=None, shuffle=False)
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"batches_consumed": n}`` of the current train loader (empty before training).
-
-        Kept besides the loader's own state so the position survives when Lightning builds the loader before
-        restoring the loops (Lightning-AI/pytorch-lightning#20550), as in ``ShapesDataModule``.
-        """
-        return {} if self._train_loader is None else self._train_loader.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Make the next :meth:`train_dataloader` start after ``state_dict["batches_consumed"]`` batches."""
-        if "batches_consumed" in state_dict:
-            self._resume_from = int(state_dict["batches_consumed"])
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Mark training batches as delivered (exact resume), then run the LightningModule's own hook."""
-        trainer = self.trainer
-        loader = self._train_loader
-        if trainer is not None and trainer.training and loader is not None and loader.track_delivery:
-            loader.mark_delivered(batch)
-        module = trainer.lightning_module if trainer is not None else None
-        if module is not None and is_overridden("on_before_batch_transfer", module):
-            return module.on_before_batch_transfer(batch, dataloader_idx)
-        return batch

@@ -189,7 +189,67 @@ class ShapesTrainLoader(DataLoader):
         self._consumed = int(state_dict["batches_consumed"])
 
 
-class ShapesDataModule(LightningDataModule):
+
+class ResumableStreamDataModule(LightningDataModule):
+    """Shared plumbing of DataModules whose training data is an infinite stream of batches that resumes exactly.
+
+    A subclass implements :meth:`make_train_loader`; this class builds it for the Trainer's rank, continues
+    the stream across loader reloads, counts the batches that actually reach ``training_step`` (Lightning's
+    fetcher reads one batch ahead), and keeps ``{"batches_consumed": n}`` in its own ``state_dict`` besides the
+    loader's, so the position survives even when Lightning builds the loader before restoring the loops
+    (Lightning-AI/pytorch-lightning#20550).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._train_loader: ShapesTrainLoader | None = None
+        self._loader_trainer: Any = None  # the Trainer the current train loader was built for
+        self._resume_from: int | None = None  # set by load_state_dict
+
+    def make_train_loader(
+        self, rank: int = 0, world_size: int = 1, start: int = 0, track_delivery: bool = False
+    ) -> ShapesTrainLoader:
+        """A stateful train loader for ``rank`` of ``world_size`` that starts at local batch ``start``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement make_train_loader")
+
+    def train_dataloader(self) -> ShapesTrainLoader:
+        """The stateful infinite training loader (this rank's share of every global batch)."""
+        trainer = self.trainer
+        rank, size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        track = False
+        if trainer is not None and trainer.datamodule is self and trainer.lightning_module is not None:
+            step = trainer.lightning_module.training_step
+            track = not is_param_in_hook_signature(step, "dataloader_iter", explicit=True)
+        start = 0
+        if self._train_loader is not None and trainer is not None and self._loader_trainer is trainer:
+            start = self._train_loader.batches_consumed  # a reload within one run continues the stream
+        if self._resume_from is not None:
+            start, self._resume_from = self._resume_from, None
+        loader = self.make_train_loader(rank, size, start, track)
+        self._train_loader, self._loader_trainer = loader, trainer
+        return loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"batches_consumed": n}`` of the current train loader (empty before training)."""
+        return {} if self._train_loader is None else self._train_loader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Make the next :meth:`train_dataloader` start after ``state_dict["batches_consumed"]`` batches."""
+        if "batches_consumed" in state_dict:
+            self._resume_from = int(state_dict["batches_consumed"])
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Mark training batches as delivered (exact resume), then run the LightningModule's own hook."""
+        trainer = self.trainer
+        loader = self._train_loader
+        if trainer is not None and trainer.training and loader is not None and loader.track_delivery:
+            loader.mark_delivered(batch)
+        module = trainer.lightning_module if trainer is not None else None
+        if module is not None and is_overridden("on_before_batch_transfer", module):
+            return module.on_before_batch_transfer(batch, dataloader_idx)
+        return batch
+
+class ShapesDataModule(ResumableStreamDataModule):
     """Shapes-world data for ``genrl fit``: an infinite stateful training stream and a fixed held-out val set.
 
     Args:
@@ -231,43 +291,17 @@ class ShapesDataModule(LightningDataModule):
         # hparams keep the world as a plain dict, so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["world"])
         self.hparams["world"] = asdict(self.world)
-        self._train_loader: ShapesTrainLoader | None = None
-        self._loader_trainer: Any = None  # the Trainer the current train loader was built for
-        self._resume_from: int | None = None  # set by load_state_dict
         self._val_batches: list[dict[str, Any]] | None = None
 
-    def train_dataloader(self) -> ShapesTrainLoader:
-        """The stateful infinite training loader (rank-sharded under a distributed Trainer)."""
-        trainer = self.trainer
-        rank, size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        track = False
-        if trainer is not None and trainer.datamodule is self and trainer.lightning_module is not None:
-            step = trainer.lightning_module.training_step
-            track = not is_param_in_hook_signature(step, "dataloader_iter", explicit=True)
-        start = 0
-        if self._train_loader is not None and trainer is not None and self._loader_trainer is trainer:
-            start = self._train_loader.batches_consumed  # a reload within one run continues the stream
-        if self._resume_from is not None:
-            start, self._resume_from = self._resume_from, None
-        stream = ShapesStream(self.world, self.hparams.batch_size, self.hparams.seed, self.hparams.split, rank, size)
-        loader = ShapesTrainLoader(stream, num_workers=self.hparams.num_workers, track_delivery=track)
+    def make_train_loader(
+        self, rank: int = 0, world_size: int = 1, start: int = 0, track_delivery: bool = False
+    ) -> ShapesTrainLoader:
+        """The shapes stream's loader for ``rank`` of ``world_size`` starting at local batch ``start``."""
+        h = self.hparams
+        stream = ShapesStream(self.world, h.batch_size, h.seed, h.split, rank, world_size)
+        loader = ShapesTrainLoader(stream, num_workers=h.num_workers, track_delivery=track_delivery)
         loader.load_state_dict({"batches_consumed": start})
-        self._train_loader, self._loader_trainer = loader, trainer
         return loader
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"batches_consumed": n}`` of the current train loader (empty before training).
-
-        Lightning stores it in the checkpoint next to the loader's own state and restores it (through
-        :meth:`load_state_dict`) before the model's ``configure_optimizers`` runs; so the position survives
-        even when the loader is built before the loops are restored (Lightning-AI/pytorch-lightning#20550).
-        """
-        return {} if self._train_loader is None else self._train_loader.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Make the next :meth:`train_dataloader` start after ``state_dict["batches_consumed"]`` batches."""
-        if "batches_consumed" in state_dict:
-            self._resume_from = int(state_dict["batches_consumed"])
 
     def val_batches(self) -> list[dict[str, Any]]:
         """The validation set as a list of batch dicts (built once, deterministic)."""
@@ -283,13 +317,3 @@ class ShapesDataModule(LightningDataModule):
         """``val_size`` held-out samples in batches of ``batch_size`` (same dict format as training)."""
         return DataLoader(self.val_batches(), batch_size=None, shuffle=False)
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Mark training batches as delivered (exact resume), then run the LightningModule's own hook."""
-        trainer = self.trainer
-        loader = self._train_loader
-        if trainer is not None and trainer.training and loader is not None and loader.track_delivery:
-            loader.mark_delivered(batch)
-        module = trainer.lightning_module if trainer is not None else None
-        if module is not None and is_overridden("on_before_batch_transfer", module):
-            return module.on_before_batch_transfer(batch, dataloader_idx)
-        return batch
