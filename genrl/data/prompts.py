@@ -54,7 +54,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from genrl.data.shapes import ShapeSpec, ShapesWorldConfig, caption, combos, heldout_combos, sample_seed
+from genrl.data.shapes import as_world, ShapeSpec, ShapesWorldConfig, caption, combos, heldout_combos, sample_seed
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
 
 __all__ = [
@@ -405,9 +405,7 @@ class PromptDataModule(ResumableStreamDataModule):
                 "PromptDataModule(group_size=1): each group has one sample, so group-normalised (GRPO) "
                 "advantages are all zero; use group_size >= 2 for group-relative methods"
             )
-        if isinstance(world, dict):  # from a checkpoint's hyperparameters
-            world = ShapesWorldConfig(**world)
-        self.world = world if world is not None else ShapesWorldConfig()
+        self.world = as_world(world)
         # hparams keep the world as a plain dict, so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["world"])
         self.hparams["world"] = asdict(self.world)

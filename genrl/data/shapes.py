@@ -222,6 +222,14 @@ class ShapesWorldConfig:
         return sum(self.speeds.values()) / len(self.speeds) if self.speeds else 0.0
 
 
+def as_world(world: "ShapesWorldConfig | dict | None") -> "ShapesWorldConfig":
+    """A :class:`ShapesWorldConfig` from a config, a dict of its fields (as stored in checkpoint
+    hyperparameters) or None (the default world). Raises ValueError / TypeError like the constructor."""
+    if isinstance(world, dict):
+        return ShapesWorldConfig(**world)
+    return world if world is not None else ShapesWorldConfig()
+
+
 @dataclass(frozen=True)
 class ShapeSpec:
     """The hidden state of one sample.

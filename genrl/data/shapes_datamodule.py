@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from genrl.data.shapes import ShapesWorldConfig, sample
+from genrl.data.shapes import as_world, ShapesWorldConfig, sample
 
 __all__ = ["ShapesDataModule", "ShapesStream", "ShapesTrainLoader", "make_batch", "collate_samples"]
 
@@ -285,9 +285,7 @@ class ShapesDataModule(ResumableStreamDataModule):
             raise ValueError(f"val_size must be >= 0, got {val_size}")
         if split not in _SPLITS:
             raise ValueError(f"unknown split {split!r}; use one of {', '.join(_SPLITS)}")
-        if isinstance(world, dict):  # from a checkpoint's hyperparameters
-            world = ShapesWorldConfig(**world)
-        self.world = world if world is not None else ShapesWorldConfig()
+        self.world = as_world(world)
         # hparams keep the world as a plain dict, so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["world"])
         self.hparams["world"] = asdict(self.world)
