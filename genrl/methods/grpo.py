@@ -26,6 +26,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss, gaussian_kl, group_advantages, group_stats, velocity_kl
+from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import MINILM, TextEncoder
@@ -41,14 +42,33 @@ class LoraSpec:
 
     Attributes:
         rank, alpha: LoRA rank r and scale alpha (update = alpha / r * B A).
-        target_modules: module names to adapt (default: attention projections of genrl's DiT).
+        target_modules: module names to adapt (None: the attention projections of the generator's family,
+            e.g. ``to_q, to_k, to_v, to_out.0`` for Wan; genrl's DiT: ``to_q, to_k, to_v, to_out``).
         init_lora_weights: peft init (``"gaussian"`` or True for Kaiming-A / zero-B).
     """
 
     rank: int = 8
     alpha: float = 16.0
-    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out"])
+    target_modules: list[str] | None = None
     init_lora_weights: str | bool = "gaussian"
+
+    def add_to(self, generator) -> None:
+        """Add this adapter to ``generator.transformer`` (peft); the adapter weights are kept in float32
+        whatever the base weights' dtype (diffusers' cast_training_params practice)."""
+        from peft import LoraConfig
+
+        targets = self.target_modules or list(getattr(generator, "lora_target_modules", DIT_LORA_TARGETS))
+        generator.transformer.add_adapter(
+            LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(targets),
+                       init_lora_weights=self.init_lora_weights)
+        )
+        for p in generator.transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+
+
+#: LoRA targets of genrl's own DiT.
+DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out"]
 
 
 class GRPO(LightningModule):
@@ -60,9 +80,13 @@ class GRPO(LightningModule):
     deterministic ODE and scored by the same rewards.
 
     Args:
-        transformer: the policy network (:class:`ModelSpec`, normally ``pretrained: assets/shapes-dit``).
-        text_encoder / max_text_length: prompt encoder (local folder or ``"minilm"``).
-        latent_shape: per-sample latent shape (T, C, H, W) of the rollouts.
+        transformer: the policy network when it is genrl's DiT (:class:`ModelSpec`, normally
+            ``pretrained: assets/shapes-dit``).
+        text_encoder / max_text_length: the DiT's prompt encoder (local folder or ``"minilm"``).
+        generator: a diffusers family instead of the DiT (:class:`genrl.models.families.GeneratorSpec`:
+            Wan2.1, SD3.5, FLUX.1, SANA from a local folder or config values); excludes ``transformer``.
+        latent_shape: per-sample latent shape of the rollouts (default: the generator's, or (8, 3, 16, 16)
+            for the DiT).
         rollout: the rollout sampler config (kernel, noise level, steps, CFG, which steps are SDE).
         rewards: reward specs (``{"name": "shapes", "weight": 1.0, ...}``; see :class:`genrl.rewards.RewardSpec`).
         reward_combine: ``"weighted_sum"``, ``"zscore_sum"`` or ``"advantage_sum"`` (per-reward advantages).
@@ -86,6 +110,7 @@ class GRPO(LightningModule):
         transformer: ModelSpec | None = None,
         text_encoder: str = MINILM,
         max_text_length: int = 32,
+        generator: GeneratorSpec | None = None,
         latent_shape: list[int] | None = None,
         rollout: RolloutConfig | None = None,
         rewards: list[dict[str, Any]] | None = None,
@@ -114,7 +139,10 @@ class GRPO(LightningModule):
             raise ValueError(
                 f"need clip_range > 0, adv_clip_max > 0, kl_beta >= 0; got {clip_range}, {adv_clip_max}, {kl_beta}"
             )
+        if generator is not None and transformer is not None:
+            raise ValueError("give either transformer (genrl's DiT) or generator (a diffusers family), not both")
         self.save_hyperparameters(ignore=["optimizer"])
+        self.generator_spec = generator
         self.automatic_optimization = False
         self.transformer_spec = transformer or ModelSpec()
         self.rollout_config = rollout or RolloutConfig()
@@ -122,7 +150,7 @@ class GRPO(LightningModule):
             kernel="ode", num_steps=20, shift=self.rollout_config.shift, cfg_scale=self.rollout_config.cfg_scale,
             micro_batch_size=self.rollout_config.micro_batch_size,
         )
-        self.latent_shape = tuple(latent_shape or (8, 3, 16, 16))
+        self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
         self.generator: DiTGenerator | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
@@ -135,21 +163,25 @@ class GRPO(LightningModule):
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        transformer = self.transformer_spec.build()
-        encoder = TextEncoder.from_pretrained(self.hparams.text_encoder, max_length=self.hparams.max_text_length)
+        if self.generator_spec is not None:
+            from genrl.models.families import build_generator
+
+            generator = build_generator(self.generator_spec)
+        else:
+            transformer = self.transformer_spec.build()
+            encoder = TextEncoder.from_pretrained(self.hparams.text_encoder, max_length=self.hparams.max_text_length)
+            generator = DiTGenerator(transformer, encoder)
+        if self.latent_shape is None:
+            self.latent_shape = tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
         reference = None
         if self.hparams.lora is not None:
-            from peft import LoraConfig
-
             spec = self.hparams.lora
             spec = spec if isinstance(spec, LoraSpec) else LoraSpec(**spec)
-            transformer.add_adapter(
-                LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
-                           init_lora_weights=spec.init_lora_weights)
-            )
+            spec.add_to(generator)
         elif self.hparams.kl_beta > 0:
-            reference = copy.deepcopy(transformer).requires_grad_(False).eval()
-        self.generator = DiTGenerator(transformer.train(), encoder)  # from_pretrained returns eval mode
+            reference = copy.deepcopy(generator.transformer).requires_grad_(False).eval()
+        generator.transformer.train()  # from_pretrained returns eval mode
+        self.generator = generator
         object.__setattr__(self, "_reference", reference)  # frozen copy, never checkpointed
 
     def setup(self, stage: str) -> None:

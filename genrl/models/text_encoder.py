@@ -27,21 +27,35 @@ class Conditioning:
         hidden_states: float [B, L, D] per-token text states.
         attention_mask: bool [B, L], True for real tokens.
         prompts: the B prompt strings.
+        pooled: optional float [B, P] pooled text vector (SD3 / FLUX pooled projections; None otherwise).
     """
 
     hidden_states: torch.Tensor
     attention_mask: torch.Tensor
     prompts: list[str]
+    pooled: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.hidden_states.shape[0]
 
     def to(self, device: torch.device | str) -> "Conditioning":
-        return Conditioning(self.hidden_states.to(device), self.attention_mask.to(device), list(self.prompts))
+        pooled = None if self.pooled is None else self.pooled.to(device)
+        return Conditioning(self.hidden_states.to(device), self.attention_mask.to(device), list(self.prompts), pooled)
+
+    def select(self, rows: list[int] | torch.Tensor) -> "Conditioning":
+        """The rows ``rows`` (int list or int64 tensor; repeats allowed) of every field."""
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.hidden_states.device)
+        pooled = None if self.pooled is None else self.pooled[idx.to(self.pooled.device)]
+        return Conditioning(self.hidden_states[idx], self.attention_mask[idx.to(self.attention_mask.device)],
+                            [self.prompts[int(i)] for i in idx.tolist()], pooled)
 
     @staticmethod
     def cat(items: list["Conditioning"]) -> "Conditioning":
-        """Concatenate along the batch, right-padding token dimensions to the longest."""
+        """Concatenate along the batch, right-padding token dimensions to the longest.
+
+        Raises:
+            ValueError: some items carry a pooled vector and others do not.
+        """
         length = max(c.hidden_states.shape[1] for c in items)
         hs, ms, prompts = [], [], []
         for c in items:
@@ -49,7 +63,11 @@ class Conditioning:
             hs.append(nn.functional.pad(c.hidden_states, (0, 0, 0, pad)))
             ms.append(nn.functional.pad(c.attention_mask, (0, pad), value=False))
             prompts += c.prompts
-        return Conditioning(torch.cat(hs), torch.cat(ms), prompts)
+        has_pooled = {c.pooled is not None for c in items}
+        if len(has_pooled) > 1:
+            raise ValueError("cannot concatenate conditionings with and without a pooled vector")
+        pooled = torch.cat([c.pooled for c in items]) if has_pooled == {True} else None
+        return Conditioning(torch.cat(hs), torch.cat(ms), prompts, pooled)
 
 
 def resolve_text_encoder_path(path: str | Path) -> Path:

@@ -51,6 +51,9 @@ class RolloutConfig:
         micro_batch_size: samples per network call (the last call is padded by repetition); fixed shapes
             make results independent of batch composition.
         null_prompt: the unconditional prompt for CFG.
+        schedule: an explicit sigma schedule of ``num_steps + 1`` values, descending from at most 1 to 0, used instead of
+            the shifted uniform one (e.g. the ``sigmas`` of a diffusers scheduler after ``set_timesteps``, to
+            reproduce a diffusers pipeline exactly). ``shift`` is then ignored.
     """
 
     num_steps: int = 10
@@ -65,8 +68,16 @@ class RolloutConfig:
     skip_last_step: bool = True
     micro_batch_size: int = 8
     null_prompt: str = ""
+    schedule: list[float] | None = None
 
     def __post_init__(self) -> None:
+        if self.schedule is not None:
+            sig = [float(v) for v in self.schedule]
+            if len(sig) != self.num_steps + 1:
+                raise ValueError(f"schedule has {len(sig)} values; num_steps={self.num_steps} needs {self.num_steps + 1}")
+            if not (sig[0] <= 1.0 and sig[-1] == 0.0 and all(a > b for a, b in zip(sig, sig[1:]))):
+                raise ValueError(f"schedule must descend strictly from <= 1 to exactly 0, got {sig}")
+            self.schedule = sig
         if self.num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.kernel not in ("ode", "flow_grpo", "dance_grpo"):
@@ -79,7 +90,9 @@ class RolloutConfig:
             raise ValueError(f"num_sde_steps must be in [1, num_steps={self.num_steps}], got {self.num_sde_steps}")
 
     def sigmas(self) -> torch.Tensor:
-        """The float64 sigma schedule [num_steps + 1], from shift(1) down to 0."""
+        """The float64 sigma schedule [num_steps + 1], from shift(1) (or ``schedule[0]``) down to 0."""
+        if self.schedule is not None:
+            return torch.tensor(self.schedule, dtype=torch.float64)
         return sigma_schedule(self.num_steps, shift=self.shift)
 
 
@@ -176,9 +189,9 @@ def guided_velocity(
     for rows, padded in _micro_batches(x.shape[0], micro_batch_size):
         idx = torch.tensor(padded, device=x.device)
         xb, sb = x[idx], sigma[idx]
-        cb = Conditioning(cond.hidden_states[idx], cond.attention_mask[idx], [cond.prompts[i] for i in padded])
+        cb = cond.select(idx)
         if uncond is not None and cfg_scale != 1.0:
-            ub = Conditioning(uncond.hidden_states[idx], uncond.attention_mask[idx], [uncond.prompts[i] for i in padded])
+            ub = uncond.select(idx)
             v_c, v_u = generator.velocity(torch.cat([xb, xb]), torch.cat([sb, sb]), Conditioning.cat([cb, ub])).float().chunk(2)
             v = cfg_combine(v_c, v_u, cfg_scale)
         else:

@@ -1,0 +1,109 @@
+"""diffusers model families behind the Generator protocol: Wan2.1, SD3.5, FLUX.1, SANA.
+
+``GeneratorSpec`` is the typed config block a method takes to name its generator; ``build_generator``
+turns it into an adapter, loading a local diffusers folder (never a download unless asked) or building
+the family from config values with random weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from genrl.models.families.base import DiffusersGenerator, check_pipeline_folder
+
+__all__ = ["FAMILIES", "GeneratorSpec", "build_generator", "family_class", "DiffusersGenerator",
+           "check_pipeline_folder"]
+
+#: family name -> adapter class path.
+FAMILIES = {
+    "wan": "genrl.models.families.wan.WanGenerator",
+    "sd3": "genrl.models.families.sd3.SD3Generator",
+    "flux": "genrl.models.families.flux.FluxGenerator",
+    "sana": "genrl.models.families.sana.SanaGenerator",
+}
+
+
+def family_class(family: str) -> type[DiffusersGenerator]:
+    """The adapter class of ``family``. Raises ValueError naming the known families."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)} (or 'dit' for genrl's own DiT)")
+    module, _, name = FAMILIES[family].rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass
+class GeneratorSpec:
+    """Which generator a method uses: a diffusers family from a local folder or from config values.
+
+    Attributes:
+        family: ``"wan"``, ``"sd3"``, ``"flux"`` or ``"sana"``.
+        pretrained: local diffusers pipeline folder (``model_index.json`` + component folders); a hub id only
+            with ``local_files_only: false``. None builds from ``components`` with random weights.
+        components: ``{component: constructor values}`` when ``pretrained`` is None (tiny models, real-size
+            random models for benchmarks); see :data:`genrl.models.families.tiny.TINY`.
+        transformer_path: a separately saved transformer folder replacing the pipeline's (e.g. an export).
+        height, width, num_frames: sample size (pixels, frames; 1 for image families).
+        torch_dtype: weights dtype (``"bfloat16"`` on GPU; ``"float32"`` on CPU). Trained LoRA weights stay float32.
+        gradient_checkpointing: activation checkpointing per transformer block.
+        attention_backend: ``"sdpa"`` (default), ``"flex"``, ``"xformers"`` (used only if it works here) or another
+            diffusers dispatcher name.
+        max_sequence_length: text tokens per prompt (family default when None).
+        prompt_cache_dir: on-disk prompt-embedding cache (None: in memory only).
+        offload_text_encoders: keep text encoders on the CPU between encodings (saves GPU memory).
+        local_files_only: never reach a hub (default).
+        options: family-specific keywords (e.g. FLUX ``guidance_scale`` of the guidance embedding).
+    """
+
+    family: str = "wan"
+    pretrained: str | None = None
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)
+    transformer_path: str | None = None
+    height: int = 480
+    width: int = 832
+    num_frames: int = 81
+    torch_dtype: str = "float32"
+    gradient_checkpointing: bool = False
+    attention_backend: str = "sdpa"
+    max_sequence_length: int | None = None
+    prompt_cache_dir: str | None = None
+    offload_text_encoders: bool = False
+    local_files_only: bool = True
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def build_generator(spec: GeneratorSpec | dict) -> DiffusersGenerator:
+    """Build the adapter named by ``spec``.
+
+    Raises:
+        ValueError: unknown family, neither or both of ``pretrained`` / ``components``, bad sizes.
+        FileNotFoundError: an incomplete weights folder (names the missing file and the expected layout).
+    """
+    from genrl.models.families.base import set_attention_backend
+
+    spec = spec if isinstance(spec, GeneratorSpec) else GeneratorSpec(**spec)
+    cls = family_class(spec.family)
+    if (spec.pretrained is None) == (not spec.components):
+        raise ValueError(
+            f"{spec.family}: give exactly one of pretrained (a local diffusers folder) or components (config "
+            f"values for random weights); got pretrained={spec.pretrained!r}, components={sorted(spec.components)}"
+        )
+    kwargs = dict(height=spec.height, width=spec.width, num_frames=spec.num_frames if cls.is_video else 1,
+                  max_sequence_length=spec.max_sequence_length, prompt_cache_dir=spec.prompt_cache_dir,
+                  offload_text_encoders=spec.offload_text_encoders, **spec.options)
+    if spec.pretrained is not None:
+        gen = cls.from_pretrained(spec.pretrained, torch_dtype=spec.torch_dtype, local_files_only=spec.local_files_only,
+                                  transformer_path=spec.transformer_path, **kwargs)
+    else:
+        gen = cls.from_config(spec.components, torch_dtype=spec.torch_dtype, seed=spec.seed, **kwargs)
+        if spec.transformer_path is not None:
+            from genrl.models.families.base import _dtype
+
+            gen.transformer = cls._load_transformer(spec.transformer_path, _dtype(spec.torch_dtype))
+            gen.pipeline.transformer = gen.transformer
+    if spec.gradient_checkpointing:
+        gen.transformer.enable_gradient_checkpointing()
+    set_attention_backend(gen.transformer, spec.attention_backend)
+    return gen

@@ -1,0 +1,54 @@
+"""Helpers shared by the per-family tests: tiny pipeline folders and a 2-step GRPO run on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def save_tiny_pipeline(family: str, folder: Path, seed: int = 0) -> Path:
+    """Build the tiny random ``family`` from config values and ``save_pretrained`` it to ``folder``."""
+    from genrl.models.families import family_class
+    from genrl.models.families.tiny import TINY, TINY_SIZE
+
+    gen = family_class(family).from_config(TINY[family], seed=seed, **TINY_SIZE[family])
+    return gen.save_pretrained(folder)
+
+
+def grpo_two_steps(family: str, folder: Path, lora: dict | None = None, kernel: str = "flow_grpo",
+                   cfg_scale: float = 1.0, num_frames: int | None = None):
+    """Run 2 GRPO iterations of the tiny ``family`` loaded offline from ``folder``; returns
+    (model, trainable parameters before, after)."""
+    from lightning.pytorch import Trainer
+
+    from genrl.data import PromptDataModule
+    from genrl.methods import GRPO
+    from genrl.methods.grpo import LoraSpec
+    from genrl.models.families import GeneratorSpec
+    from genrl.models.families.tiny import TINY_SIZE
+    from genrl.rollout.sampler import RolloutConfig
+
+    size = dict(TINY_SIZE[family])
+    if num_frames is not None:
+        size["num_frames"] = num_frames
+    spec = GeneratorSpec(family=family, pretrained=str(folder), **size)
+    model = GRPO(
+        generator=spec,
+        rollout=RolloutConfig(num_steps=3, kernel=kernel, sde_steps="all", micro_batch_size=4, cfg_scale=cfg_scale),
+        eval_rollout=RolloutConfig(num_steps=2, kernel="ode", micro_batch_size=4),
+        rewards=[{"name": "colorfulness"}],
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        lora=LoraSpec(**lora) if lora is not None else None,
+        clip_range=1e-3,
+    )
+    data = PromptDataModule(train="shapes:train", val=None, prompts_per_batch=2, group_size=2, seed=0)
+    trainer = Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0)
+    model.configure_model()
+    before = {n: p.detach().clone() for n, p in model.generator.transformer.named_parameters() if p.requires_grad}
+    trainer.fit(model, data)
+    after = {n: p.detach().clone() for n, p in model.generator.transformer.named_parameters() if p.requires_grad}
+    assert int(model.iteration) == 2
+    return model, before, after
