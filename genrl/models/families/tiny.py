@@ -23,8 +23,14 @@ TINY: dict[str, dict[str, dict]] = {
         "text_encoder": _T5,
         "tokenizer": _T5_TOKENIZER,
     },
+    # SD3_TINY_COMPONENTS
+    # FLUX_TINY_COMPONENTS
+    # SANA_TINY_COMPONENTS
 }
 
 TINY_SIZE: dict[str, dict[str, int]] = {
     "wan": dict(height=16, width=16, num_frames=5, max_sequence_length=16),
+    # SD3_TINY_SIZE
+    # FLUX_TINY_SIZE
+    # SANA_TINY_SIZE
 }
