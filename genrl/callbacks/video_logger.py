@@ -25,7 +25,8 @@ class VideoLogger(Callback):
 
     The step must return ``{"videos": float [B, T, C, H, W] in [0, 1], "prompts": list[str]}``. For the
     first ``max_videos`` samples of the first ``max_batches`` batches, writes
-    ``<dirpath>/step_<global_step>/<i>.mp4`` with a ``manifest.jsonl`` (prompt per file), and, when the
+    ``<dirpath>/step_<global_step>/<i>.mp4`` (``.png`` when T = 1, image families) with a ``manifest.jsonl``
+    (prompt per file), and, when the
     trainer's logger is TensorBoard, adds a frame strip per video under ``samples/<i>``.
 
     Args:
@@ -63,8 +64,15 @@ class VideoLogger(Callback):
         experiment = getattr(trainer.logger, "experiment", None)
         with open(root / "manifest.jsonl", "a") as manifest:
             for i, (video, prompt) in enumerate(zip(videos, prompts)):
-                name = f"{tag}_{batch_idx:03d}_{i:02d}.mp4"
-                write_video(root / name, video, fps=self.fps)
+                if video.shape[0] == 1:  # an image family: a png, not a one-frame mp4
+                    from PIL import Image
+
+                    name = f"{tag}_{batch_idx:03d}_{i:02d}.png"
+                    array = (video[0].clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+                    Image.fromarray(array).save(root / name)
+                else:
+                    name = f"{tag}_{batch_idx:03d}_{i:02d}.mp4"
+                    write_video(root / name, video, fps=self.fps)
                 manifest.write(json.dumps({"file": name, "prompt": prompt}) + "\n")
                 if experiment is not None and hasattr(experiment, "add_image"):
                     experiment.add_image(
