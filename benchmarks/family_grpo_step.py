@@ -1,0 +1,177 @@
+"""Rollout and GRPO-step time and peak memory of a diffusers family at real size (random weights).
+
+Meant for the H200 (DESIGN.md section 7 lists the raw-forward figures to compare with); ``--tiny`` runs the
+same code path on the tiny test components so that the script itself is checked on a CPU.
+
+    python benchmarks/family_grpo_step.py --family wan                 # Wan2.1-1.3B, 480x832x81, LoRA r32
+    python benchmarks/family_grpo_step.py --family sd3 --batch 8       # SD3.5-M, 512 px
+    python benchmarks/family_grpo_step.py --family wan --tiny          # CPU smoke run
+
+What it measures (one JSON line on stdout, also appended to --out when given):
+- ``raw_forward_s``: one transformer forward at the rollout's micro-batch (CFG doubles it), timed alone;
+- ``rollout_s`` and ``sampler_overhead``: one rollout through genrl's sampler, against steps x raw forward
+  (the target is an overhead of at most 5%);
+- ``grpo_step_s`` and ``peak_gib``: one GRPO training step (recomputed log-prob with gradients on every trained
+  step of one sample, clipped loss, backward, AdamW on the LoRA weights), with gradient checkpointing, and the
+  CUDA peak memory of the whole script;
+- ``decode_s``: VAE decode of the rollout.
+
+The text encoders are real architectures cut to one layer (their output widths are the real ones), so the
+prompt path runs as in a real run while costing little: encoding is cached and not part of the timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+_T5_1L = dict(vocab_size=256, d_model=4096, d_ff=256, d_kv=64, num_heads=4, num_layers=1,
+              relative_attention_num_buckets=32, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+_T5_TOK = dict(specials=["<pad>", "</s>", "<unk>"], model_max_length=512)
+_CLIP_TOK = dict(specials=["<|startoftext|>", "<pad>", "<|endoftext|>", "<unk>"], bos_token="<|startoftext|>",
+                 eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>", add_bos=True, add_eos=True,
+                 model_max_length=77)
+
+
+def _clip(hidden: int) -> dict:
+    return dict(bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=hidden, intermediate_size=256,
+                num_attention_heads=4, num_hidden_layers=1, vocab_size=256, hidden_act="gelu",
+                projection_dim=hidden, max_position_embeddings=77)
+
+
+#: real transformer / VAE architectures (published diffusers configs), one-layer text encoders.
+REAL = {
+    "wan": {
+        "transformer": dict(patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30,
+                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        "vae": {},  # AutoencoderKLWan's defaults are Wan2.1's VAE
+        "text_encoder": _T5_1L,
+        "tokenizer": _T5_TOK,
+    },
+    "sd3": {
+        "transformer": dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                            dual_attention_layers=list(range(13)), qk_norm="rms_norm"),
+        "vae": dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
+                    down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                    layers_per_block=2, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
+                    use_post_quant_conv=False),
+        "text_encoder": _clip(768), "text_encoder_2": _clip(1280), "text_encoder_3": _T5_1L,
+        "tokenizer": _CLIP_TOK, "tokenizer_2": _CLIP_TOK, "tokenizer_3": _T5_TOK,
+    },
+}
+SIZES = {"wan": dict(height=480, width=832, num_frames=81), "sd3": dict(height=512, width=512, num_frames=1)}
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=sorted(REAL), default="wan")
+    p.add_argument("--tiny", action="store_true", help="tiny test components (CPU smoke run)")
+    p.add_argument("--steps", type=int, default=20, help="rollout steps")
+    p.add_argument("--batch", type=int, default=1, help="rollout micro-batch (samples per forward)")
+    p.add_argument("--cfg-scale", type=float, default=5.0)
+    p.add_argument("--trained-steps", type=int, default=2, help="SDE steps trained in the GRPO step")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--no-grad-ckpt", action="store_true")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=None, help="append the JSON line to this file")
+    args = p.parse_args(argv)
+
+    from genrl.flow.policy import clipped_policy_loss
+    from genrl.methods.grpo import LoraSpec
+    from genrl.models.families import GeneratorSpec, build_generator
+    from genrl.models.families.tiny import TINY, TINY_SIZE
+    from genrl.rollout.sampler import RolloutConfig, guided_velocity, rollout, transition_log_prob
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype if device == "cuda" else "float32"
+    comps, size = (TINY[args.family], TINY_SIZE[args.family]) if args.tiny else (REAL[args.family], SIZES[args.family])
+    size = {k: v for k, v in size.items() if k in ("height", "width", "num_frames")}
+    t0 = time.perf_counter()
+    gen = build_generator(GeneratorSpec(family=args.family, components=comps, torch_dtype=dtype,
+                                        gradient_checkpointing=not args.no_grad_ckpt, max_sequence_length=64 if not
+                                        args.tiny else 16, **size))
+    LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank).add_to(gen)
+    gen.to(device)
+    build_s = time.perf_counter() - t0
+    n_params = sum(q.numel() for q in gen.transformer.parameters() if not q.requires_grad)
+    prompts = ["a red circle moving left"] * args.batch
+    config = RolloutConfig(num_steps=args.steps, shift=3.0, kernel="flow_grpo", cfg_scale=args.cfg_scale,
+                           sde_steps="prefix", num_sde_steps=args.trained_steps, micro_batch_size=args.batch)
+    cond = gen.encode_prompts(prompts)
+    uncond = gen.encode_prompts([""] * args.batch)
+    gen.eval()
+
+    # raw transformer forward at the rollout's batch (x2 under CFG), timed alone
+    x = torch.randn(args.batch, *gen.latent_shape, device=device)
+    sigma = torch.full((args.batch,), 0.5, device=device)
+    with torch.no_grad():
+        for _ in range(2):
+            guided_velocity(gen, x, sigma, cond, uncond, args.cfg_scale, args.batch)
+        _sync()
+        t = time.perf_counter()
+        reps = 3
+        for _ in range(reps):
+            guided_velocity(gen, x, sigma, cond, uncond, args.cfg_scale, args.batch)
+        _sync()
+        raw = (time.perf_counter() - t) / reps
+
+    _sync()
+    t = time.perf_counter()
+    traj = rollout(gen, prompts, gen.latent_shape, seed=0, config=config)
+    _sync()
+    rollout_s = time.perf_counter() - t
+
+    t = time.perf_counter()
+    gen.decode(traj.final[:1])
+    _sync()
+    decode_s = time.perf_counter() - t
+
+    gen.train()
+    opt = torch.optim.AdamW([q for q in gen.transformer.parameters() if q.requires_grad], lr=1e-4)
+    sub = traj.select([0])
+    c1, u1 = cond.select([0]), uncond.select([0])
+    adv = torch.ones(1, device=device)
+    times = []
+    for _ in range(2):  # the first step warms up
+        _sync()
+        t = time.perf_counter()
+        for k in traj.sde_steps:
+            lp, _, _ = transition_log_prob(gen, sub, k, c1, u1)
+            loss, _ = clipped_policy_loss(lp, sub.log_probs[:, k].to(lp.device), adv, clip_range=1e-4)
+            (loss.mean() / len(traj.sde_steps)).backward()
+        opt.step()
+        opt.zero_grad()
+        _sync()
+        times.append(time.perf_counter() - t)
+    result = {
+        "family": args.family, "tiny": args.tiny, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": dtype, "params": n_params, **size, "latent_shape": list(gen.latent_shape), "batch": args.batch,
+        "cfg_scale": args.cfg_scale, "steps": args.steps, "build_s": round(build_s, 2),
+        "raw_forward_s": round(raw, 4), "rollout_s": round(rollout_s, 3),
+        "sampler_overhead": round(rollout_s / (args.steps * raw) - 1, 4),
+        "decode_s": round(decode_s, 3), "trained_steps": len(traj.sde_steps),
+        "grpo_step_s": round(times[-1], 3), "grad_ckpt": not args.no_grad_ckpt, "lora_rank": args.lora_rank,
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+        "torch": torch.__version__,
+    }
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(line + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
