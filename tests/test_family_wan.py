@@ -100,3 +100,31 @@ def test_bad_sizes_and_specs_are_named():
         build_generator(GeneratorSpec(family="wan3", pretrained="x"))
     with pytest.raises(ValueError, match="exactly one of pretrained"):
         build_generator(GeneratorSpec(family="wan"))
+
+
+def test_attention_backends(wan_folder):
+    import warnings
+
+    from genrl.models.families.base import set_attention_backend
+
+    gen = build_generator(GeneratorSpec(family="wan", pretrained=str(wan_folder), **TINY_SIZE["wan"]))
+    cond = gen.encode_prompts(PROMPTS)
+    x = randn_per_sample(gen.latent_shape, seed=0, indices=[0, 1])
+    sigma = torch.tensor([0.3, 0.7])
+    with torch.no_grad():
+        v_sdpa = gen.velocity(x, sigma, cond)
+        assert set_attention_backend(gen.transformer, "_native_math") == "_native_math"
+        torch.testing.assert_close(gen.velocity(x, sigma, cond), v_sdpa, atol=1e-5, rtol=0)
+        assert set_attention_backend(gen.transformer, "flex") == "flex"  # forward-only on CPU
+        torch.testing.assert_close(gen.velocity(x, sigma, cond), v_sdpa, atol=1e-5, rtol=0)
+    assert set_attention_backend(gen.transformer, "sdpa") == "sdpa"  # back to PyTorch SDPA
+    gen.velocity(x, sigma, cond).sum().backward()
+    try:
+        import xformers.ops  # noqa: F401
+    except Exception:  # not installed / not matching torch: a warning and SDPA, never a crash
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert set_attention_backend(gen.transformer, "xformers") == "sdpa"
+        assert any("xformers" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="unknown attention backend 'bogus'"):
+        set_attention_backend(gen.transformer, "bogus")

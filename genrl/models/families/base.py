@@ -89,8 +89,9 @@ def check_pipeline_folder(path: str | Path, components: dict[str, str], family: 
 
 
 def set_attention_backend(model: nn.Module, backend: str | None) -> str:
-    """Select the attention kernel of a diffusers model: ``"sdpa"`` (PyTorch SDPA, default), ``"flex"`` or
-    ``"xformers"``; any other name of diffusers' attention dispatcher is passed through.
+    """Select the attention kernel of a diffusers model: ``"sdpa"`` (PyTorch SDPA, default), ``"flex"`` (torch
+    flex attention; its backward needs a CUDA device) or ``"xformers"``; any other name of diffusers' attention
+    dispatcher (e.g. ``"flash"``, ``"sage"``) is passed through.
 
     xformers is used only if it imports and runs a small attention call; otherwise a warning says why and
     SDPA is kept (xformers wheels often lag behind torch). Returns the backend in use.
@@ -98,9 +99,8 @@ def set_attention_backend(model: nn.Module, backend: str | None) -> str:
     Raises:
         ValueError: a backend name diffusers does not know (the message lists them).
     """
-    if backend in (None, "sdpa", "native"):
-        return "sdpa"
-    if backend == "xformers":
+    name = "native" if backend in (None, "sdpa", "native") else backend
+    if name == "xformers":
         try:
             import xformers.ops as xops
 
@@ -108,14 +108,16 @@ def set_attention_backend(model: nn.Module, backend: str | None) -> str:
             xops.memory_efficient_attention(q, q, q)
         except Exception as e:  # noqa: BLE001 - any failure means "not usable here"
             warnings.warn(f"attention backend 'xformers' is not usable here ({type(e).__name__}: {e}); using SDPA")
-            return "sdpa"
+            name = "native"
+    if name == "native" and not hasattr(model, "set_attention_backend"):
+        return "sdpa"
     if not hasattr(model, "set_attention_backend"):
         raise ValueError(f"{type(model).__name__} has no attention backend switch; use attention_backend: sdpa")
     try:
-        model.set_attention_backend(backend)
+        model.set_attention_backend(name)
     except (ValueError, KeyError) as e:
         raise ValueError(f"unknown attention backend {backend!r}: {e}") from e
-    return backend
+    return "sdpa" if name == "native" else name
 
 
 class DiffusersGenerator(nn.Module):
