@@ -31,13 +31,13 @@ import torch
 _T5_1L = dict(vocab_size=256, d_model=4096, d_ff=256, d_kv=64, num_heads=4, num_layers=1,
               relative_attention_num_buckets=32, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 _T5_TOK = dict(specials=["<pad>", "</s>", "<unk>"], model_max_length=512)
-_CLIP_TOK = dict(specials=["<|startoftext|>", "<pad>", "<|endoftext|>", "<unk>"], bos_token="<|startoftext|>",
+_CLIP_TOK = dict(specials=["<|startoftext|>", "<pad>", "<unk>", "<|endoftext|>"], bos_token="<|startoftext|>",
                  eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>", add_bos=True, add_eos=True,
                  model_max_length=77)
 
 
 def _clip(hidden: int) -> dict:
-    return dict(bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=hidden, intermediate_size=256,
+    return dict(bos_token_id=0, eos_token_id=3, pad_token_id=1, hidden_size=hidden, intermediate_size=256,
                 num_attention_heads=4, num_hidden_layers=1, vocab_size=256, hidden_act="gelu",
                 projection_dim=hidden, max_position_embeddings=77)
 
