@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--no-grad-ckpt", action="store_true")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--height", type=int, default=None, help="override the sample height (pixels)")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--frames", type=int, default=None)
     p.add_argument("--out", default=None, help="append the JSON line to this file")
     args = p.parse_args(argv)
 
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = args.dtype if device == "cuda" else "float32"
     comps, size = (TINY[args.family], TINY_SIZE[args.family]) if args.tiny else (REAL[args.family], SIZES[args.family])
     size = {k: v for k, v in size.items() if k in ("height", "width", "num_frames")}
+    for key, value in (("height", args.height), ("width", args.width), ("num_frames", args.frames)):
+        if value is not None:
+            size[key] = value
     t0 = time.perf_counter()
     gen = build_generator(GeneratorSpec(family=args.family, components=comps, torch_dtype=dtype,
                                         gradient_checkpointing=not args.no_grad_ckpt, max_sequence_length=64 if not

@@ -76,14 +76,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     from genrl.data.shapes import ShapesWorldConfig
-    from genrl.models.generator import DiTGenerator
+    from genrl.models.loading import load_generator
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     world = ShapesWorldConfig(**json.loads(args.world)) if args.world else ShapesWorldConfig()
-    if args.model.endswith(".ckpt"):  # a genrl fit checkpoint: its EMA weights when present
-        generator = DiTGenerator.from_checkpoint(args.model, text_encoder=args.text_encoder)
-    else:
-        generator = DiTGenerator.from_pretrained(args.model, text_encoder=args.text_encoder)
+    # a DiT folder (save_pretrained) or a genrl fit checkpoint (its EMA weights when present)
+    generator = load_generator(args.model, text_encoder=args.text_encoder)
     if torch.cuda.is_available():
         generator.cuda()
     prompts = shapes_prompts(world, args.split, args.num_prompts, seed=0, multi_step=args.multi_step)

@@ -1,82 +1,269 @@
-"""Generate videos for prompts with a trained genrl generator: mp4 files plus a manifest.
+"""Generate videos (mp4) or images (png) for prompts with any genrl generator, plus a ``manifest.jsonl``.
 
-    python pipelines/generate.py --model assets/shapes-dit --prompt "a red circle moving left slowly" \
-        --prompt "a blue square staying still" --out outputs/samples
+Examples::
+
+    # the shipped shapes model (the default --model), two prompts, 4 samples each
+    python pipelines/generate.py --prompt "a red circle moving left slowly" \
+        --prompt "a blue square staying still" --samples-per-prompt 4 --out outputs/samples
+    # a `genrl fit` checkpoint (EMA weights when the run had EMA; --no-ema for the raw ones) on held-out captions
     python pipelines/generate.py --model runs/quickstart/checkpoints/last.ckpt --prompts shapes:heldout \
         --limit 16 --out outputs/heldout
+    # the whole VBench suite (946 prompts; 944 distinct names), VBench file naming `{prompt}-{k}.mp4`
+    python pipelines/generate.py --model assets/shapes-dit --prompts vbench --samples-per-prompt 1 \
+        --out outputs/vbench --vbench-names
+    # VBench's own protocol: 5 samples per prompt
+    python pipelines/generate.py --model assets/shapes-dit --prompts vbench --samples-per-prompt 5 \
+        --out outputs/vbench5 --vbench-names
+    # a diffusers pipeline folder (Wan2.1, SD3.5, FLUX.1, SANA; family from model_index.json) or a family run's
+    # checkpoint (--pretrained: the base folder when the recorded one does not exist on this machine)
+    python pipelines/generate.py --model /models/Wan2.1-T2V-1.3B-Diffusers --prompts prompts.txt \
+        --height 480 --width 832 --frames 81 --batch-size 1 --out outputs/wan
+    python pipelines/generate.py --model runs/wan_grpo/checkpoints/last.ckpt \
+        --pretrained /models/Wan2.1-T2V-1.3B-Diffusers --prompts vbench --limit 20 --out outputs/wan_rl
 
-``--model`` is a folder written by ``save_pretrained`` (e.g. ``assets/shapes-dit``, or a run's
-``export/``) or a ``genrl fit`` checkpoint (its EMA weights when the run had EMA). Prompts come from
-``--prompt`` (repeatable) and / or ``--prompts`` (a .txt / .jsonl / .json file, or ``shapes:train``,
-``shapes:heldout``, ``vbench``, ``geneval``, ``ocr``). Sample i uses the noise addressed by
-(``--seed``, i), so the same command regenerates the same videos.
+``--model`` is anything :func:`genrl.models.loading.load_generator` takes: a genrl DiT folder (``config.json``
+of a ``VideoDiT``, e.g. ``assets/shapes-dit`` or a run's ``export/``), a diffusers pipeline folder
+(``model_index.json``) or a ``genrl fit`` checkpoint. Prompts come from ``--prompt`` (repeatable) and / or
+``--prompts`` (a .txt / .jsonl / .json file such as VBench's ``VBench_full_info.json``, or a built-in source:
+``vbench``, ``geneval``, ``ocr``, ``shapes:train``, ``shapes:heldout``), the latter cut to ``--limit``.
+
+Sampling is the deterministic ODE of :func:`genrl.rollout.sampler.rollout` (``--steps``, ``--cfg-scale``,
+``--shift``; defaults per model: the DiT 20 / 3 / 1, families see ``genrl.models.loading.FAMILY_DEFAULTS``).
+Prompt p's sample k has the global index i = p * N + k (N = ``--samples-per-prompt``) and its noise is
+addressed by (``--seed``, i), so a sample does not depend on its batch: the same command regenerates the
+same files, and an interrupted run resumes: files that exist are skipped, files are written atomically, and
+``manifest.jsonl`` is rewritten after every batch (one line per file; lines of earlier runs in the same folder
+are kept, never duplicated). Size: the DiT samples ``--frames`` x ``--height`` x ``--width`` (default 8 x 16 x
+16); a family its own (or the checkpoint's recorded) size unless given. Names: ``{i:05d}.mp4`` (``.png`` for
+image families), or with ``--vbench-names`` ``{prompt}-{k}.mp4`` (``/`` in a prompt becomes ``_``; names over
+255 bytes keep the first 180 characters of the prompt, VBench-2.0's rule; a prompt listed twice is generated
+once).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
+_SETTINGS = ("model", "seed", "index", "steps", "cfg_scale", "shift", "kernel", "height", "width", "num_frames")
+
+
+def vbench_name(prompt: str, k: int, ext: str = "mp4") -> str:
+    """VBench's file name of sample k of ``prompt``: ``{prompt}-{k}.{ext}`` with ``/`` -> ``_`` (and newlines ->
+    spaces); when longer than 255 bytes the prompt is cut to its first 180 characters (VBench-2.0's rule)."""
+    clean = prompt.replace("/", "_").replace("\0", "").replace("\n", " ").replace("\r", " ")
+    name = f"{clean}-{k}.{ext}"
+    if len(name.encode()) > 255:
+        name = f"{clean[:180]}-{k}.{ext}"
+    return name
+
+
+def _write_png(path: Path, pixels: torch.Tensor) -> None:
+    """[3, H, W] in [0, 1] -> png, atomically (temporary file in the folder, then os.replace)."""
+    from PIL import Image
+
+    array = (pixels.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        Image.fromarray(array).save(tmp, format="PNG")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _read_manifest(path: Path) -> dict[str, dict]:
+    records: dict[str, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn line of a killed writer from an older version: the file's record is rebuilt
+            if isinstance(r, dict) and "file" in r:
+                records[r["file"]] = r
+    return records
+
+
+def _write_manifest(out: Path, records: list[dict]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".manifest.jsonl.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out / "manifest.jsonl")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Generate mp4 videos / png images for prompts with a genrl generator.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="assets/shapes-dit",
+                   help="genrl DiT folder, diffusers pipeline folder (model_index.json) or a genrl fit .ckpt")
+    p.add_argument("--pretrained", default=None,
+                   help="checkpoints only: local base-model folder replacing the one recorded in the checkpoint")
+    p.add_argument("--no-ema", action="store_true", help="checkpoints only: the raw weights, not the EMA")
+    p.add_argument("--text-encoder", default=None, help="DiT only: local text-encoder folder or 'minilm'")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts", default=None,
+                   help="prompt file (.txt/.jsonl/.json) or built-in source (vbench, geneval, ocr, shapes:heldout)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts of --prompts")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="samples N per prompt")
+    p.add_argument("--out", default="outputs/samples", help="output folder (files + manifest.jsonl)")
+    p.add_argument("--vbench-names", action="store_true", help="name files {prompt}-{k}.mp4 as VBench expects")
+    p.add_argument("--frames", type=int, default=None, help="frames (DiT default 8; family default / recorded)")
+    p.add_argument("--height", type=int, default=None, help="pixels (DiT default 16; family default / recorded)")
+    p.add_argument("--width", type=int, default=None, help="pixels (DiT default 16; family default / recorded)")
+    p.add_argument("--steps", type=int, default=None, help="Euler steps (DiT default 20; family default)")
+    p.add_argument("--cfg-scale", type=float, default=None, help="CFG scale w, 1 = off (DiT default 3)")
+    p.add_argument("--shift", type=float, default=None, help="sigma-schedule shift (DiT 1; family default)")
+    p.add_argument("--negative-prompt", default="", help="the unconditional prompt of CFG")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=None, help="samples per batch (DiT default 32, families 1)")
+    p.add_argument("--fps", type=int, default=None, help="frame rate of the mp4s (DiT 8, Wan 16)")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="family weights dtype (default: bfloat16 on cuda, else float32)")
+    return p
+
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description="Generate mp4 videos for prompts with a genrl generator.")
-    p.add_argument("--model", required=True, help="save_pretrained folder or a genrl fit .ckpt")
-    p.add_argument("--text-encoder", default=None, help="local text-encoder folder or 'minilm' (default: the model's)")
-    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts", default=None, help="prompt file or built-in source (see genrl.data.load_prompts)")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts of --prompts")
-    p.add_argument("--out", default="outputs/samples", help="output folder (mp4s + manifest.jsonl)")
-    p.add_argument("--frames", type=int, default=8)
-    p.add_argument("--height", type=int, default=16)
-    p.add_argument("--width", type=int, default=16)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--cfg-scale", type=float, default=3.0)
-    p.add_argument("--shift", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--fps", type=int, default=8)
-    args = p.parse_args(argv)
+    """Run the script; returns the manifest records of this command's samples (generated or already there)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.samples_per_prompt < 1 or (args.batch_size is not None and args.batch_size < 1):
+        parser.error("--samples-per-prompt and --batch-size must be >= 1")
 
-    from genrl.data.prompts import load_prompts
+    from genrl.data.prompts import PromptRecord, load_prompts
+
+    records_in = [PromptRecord(p) for p in args.prompt]
+    if args.prompts:
+        records_in += load_prompts(args.prompts)[: args.limit]
+    if not records_in:
+        parser.error("give at least one --prompt or a --prompts source")
+
     from genrl.data.video_io import write_video
     from genrl.models.generator import DiTGenerator
-    from genrl.rollout.ode import sample_ode
+    from genrl.models.loading import DIT_DEFAULTS, FAMILY_DEFAULTS, load_generator
+    from genrl.rollout.sampler import RolloutConfig, rollout
 
-    prompts = list(args.prompt)
-    if args.prompts:
-        prompts += [r.prompt for r in load_prompts(args.prompts)][: args.limit]
-    if not prompts:
-        p.error("give at least one --prompt or a --prompts source")
-    if args.model.endswith(".ckpt"):
-        gen = DiTGenerator.from_checkpoint(args.model, text_encoder=args.text_encoder)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    t0 = time.perf_counter()
+    gen = load_generator(args.model, text_encoder=args.text_encoder, height=args.height, width=args.width,
+                         num_frames=args.frames, torch_dtype=dtype, use_ema=not args.no_ema,
+                         pretrained=args.pretrained)
+    gen.to(device)
+    if isinstance(gen, DiTGenerator):
+        kind, d = "dit", DIT_DEFAULTS
+        height, width = args.height or d["height"], args.width or d["width"]
+        num_frames = args.frames or d["num_frames"]
+        latent_shape = (num_frames, gen.codec.latent_channels, height, width)
+        shift = d["shift"] if args.shift is None else args.shift
+        is_video = num_frames > 1
+        batch_default = 32
     else:
-        gen = DiTGenerator.from_pretrained(args.model, text_encoder=args.text_encoder or "minilm")
-    if torch.cuda.is_available():
-        gen.cuda()
-    shape = (args.frames, gen.codec.latent_channels, args.height, args.width)
+        kind, d = gen.family, FAMILY_DEFAULTS[gen.family]
+        height, width, num_frames = gen.height, gen.width, gen.num_frames
+        latent_shape = tuple(gen.latent_shape)
+        shift = getattr(gen, "default_shift_for_size", gen.default_shift) if args.shift is None else args.shift
+        is_video = bool(gen.is_video)
+        batch_default = 1
+    steps = args.steps or d["steps"]
+    cfg_scale = d["cfg_scale"] if args.cfg_scale is None else args.cfg_scale
+    fps = args.fps or d["fps"] or 8
+    batch_size = args.batch_size or batch_default
+    config = RolloutConfig(kernel="ode", num_steps=steps, shift=shift, cfg_scale=cfg_scale,
+                           null_prompt=args.negative_prompt, micro_batch_size=batch_size)
+    ext = "mp4" if is_video else "png"
+    settings = dict(model=str(args.model), kind=kind, ema=gen.load_info["ema"], lora=gen.load_info["lora"],
+                    seed=args.seed, steps=steps,
+                    cfg_scale=cfg_scale, shift=shift, kernel="ode", height=height, width=width,
+                    num_frames=num_frames, fps=fps if is_video else None)
+    print(f"loaded {kind} generator from {args.model} in {time.perf_counter() - t0:.1f} s; "
+          f"{height}x{width}x{num_frames}, {steps} steps, CFG {cfg_scale}, shift {shift}, on {device}")
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = []
-    from rich.progress import track
+    n = args.samples_per_prompt
+    plan: list[dict] = []
+    seen: set[str] = set()
+    duplicates = 0
+    for p_idx, rec in enumerate(records_in):
+        for k in range(n):
+            index = p_idx * n + k
+            name = vbench_name(rec.prompt, k, ext) if args.vbench_names else f"{index:05d}.{ext}"
+            if name in seen:  # the same prompt listed twice under VBench naming: one file
+                duplicates += 1
+                continue
+            seen.add(name)
+            r = dict(file=name, path=str(out / name), prompt=rec.prompt, prompt_index=p_idx, sample=k, index=index,
+                     **settings)
+            if rec.metadata:
+                r["metadata"] = rec.metadata
+            plan.append(r)
 
-    for start in track(range(0, len(prompts), args.batch_size), description="generating"):
-        chunk = prompts[start : start + args.batch_size]
-        idx = list(range(start, start + len(chunk)))
-        latents = sample_ode(gen, chunk, shape, seed=args.seed, indices=idx, num_steps=args.steps,
-                             shift=args.shift, cfg_scale=args.cfg_scale)
-        for i, prompt, video in zip(idx, chunk, gen.decode(latents).cpu()):
-            name = f"{i:05d}.mp4"
-            write_video(out / name, video, fps=args.fps)
-            records.append({"file": name, "prompt": prompt, "seed": args.seed, "index": i})
-    with open(out / "manifest.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    print(f"wrote {len(records)} videos and manifest.jsonl to {out}")
+    old = _read_manifest(out / "manifest.jsonl")
+    done = [r for r in plan if (out / r["file"]).is_file()]
+    todo = [r for r in plan if not (out / r["file"]).is_file()]
+    differing = [r["file"] for r in done if r["file"] in old
+                 and any(old[r["file"]].get(key) != r.get(key) for key in _SETTINGS)]
+    final: dict[str, dict] = {r["file"]: (old.get(r["file"], r)) for r in plan}  # existing files keep their record
+
+    def flush() -> list[dict]:
+        ours = [final[r["file"]] for r in plan if (out / r["file"]).is_file()]
+        others = [r for f, r in old.items() if f not in final and (out / f).is_file()]
+        _write_manifest(out, ours + others)
+        return ours
+
+    if duplicates:
+        print(f"{duplicates} samples share a file name with an earlier prompt (a prompt listed twice): generated once")
+    if done:
+        print(f"{len(done)} of {len(plan)} files exist in {out} and are kept (delete them to regenerate)")
+    if differing:
+        print(f"warning: {len(differing)} existing files were made with other settings than this command "
+              f"(e.g. {differing[0]!r}; see manifest.jsonl); use another --out to regenerate them", file=sys.stderr)
+
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    t1 = time.perf_counter()
+    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn()) as bar:
+        task = bar.add_task("generating", total=len(todo))
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            latents = rollout(gen, [r["prompt"] for r in chunk], latent_shape, args.seed,
+                              [r["index"] for r in chunk], config, record=False).final
+            pixels = gen.decode(latents).float().cpu()  # [B, T, 3, H, W] in [0, 1]
+            for r, sample in zip(chunk, pixels):
+                if is_video:
+                    write_video(out / r["file"], sample, fps=fps)
+                else:
+                    _write_png(out / r["file"], sample[0])
+                final[r["file"]] = r
+            flush()
+            bar.advance(task, len(chunk))
+    records = flush()
+    elapsed = time.perf_counter() - t1
+    print(f"wrote {len(todo)} new {ext} files ({len(done)} kept) and manifest.jsonl ({len(records)} lines for this "
+          f"command) to {out} in {elapsed:.1f} s")
     return records
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (FileNotFoundError, ValueError) as e:  # bad paths / inputs: the message says what to fix
+        sys.exit(f"error: {e}")

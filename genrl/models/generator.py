@@ -77,35 +77,20 @@ class DiTGenerator(nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path: str, use_ema: bool = True, text_encoder: str | None = None) -> "DiTGenerator":
-        """Load the generator of a ``genrl fit`` Lightning checkpoint (EMA weights when the run had EMA).
+        """Load the generator of a ``genrl fit`` Lightning checkpoint of a DiT run (EMA weights when the run had
+        EMA; the run's LoRA attached). Same as :func:`genrl.models.loading.load_generator`.
 
         Raises:
             FileNotFoundError: no file at ``path``.
-            KeyError: the checkpoint has no ``generator.transformer.*`` weights.
+            ValueError: not a genrl checkpoint, or the checkpoint is of a diffusers family (use load_generator).
         """
-        from pathlib import Path
+        from genrl.models.loading import load_generator
 
-        from genrl.models.spec import ModelSpec
-
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"no checkpoint file at {path!r}")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        hp = ckpt.get("hyper_parameters", {})
-        spec = hp.get("transformer") or ModelSpec()
-        spec = spec if isinstance(spec, ModelSpec) else ModelSpec(**spec)
-        transformer = ModelSpec(model_class=spec.model_class, config=dict(spec.config)).build()
-        prefix = "generator.transformer."
-        weights = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-        if not weights:
-            raise KeyError(f"checkpoint {path!r} holds no {prefix}* weights")
-        if use_ema:
-            for state in ckpt.get("callbacks", {}).values():
-                if isinstance(state, dict) and "shadow" in state:
-                    weights.update({k[len(prefix):]: v for k, v in state["shadow"].items() if k.startswith(prefix)})
-        transformer.load_state_dict(weights)
-        encoder = TextEncoder.from_pretrained(text_encoder or hp.get("text_encoder", "minilm"),
-                                              max_length=hp.get("max_text_length", 32))
-        return cls(transformer.eval(), encoder)
+        generator = load_generator(path, text_encoder=text_encoder, use_ema=use_ema)
+        if not isinstance(generator, cls):
+            raise ValueError(f"{path!r} is a checkpoint of a {type(generator).__name__}, not of genrl's DiT; "
+                             f"use genrl.models.loading.load_generator")
+        return generator
 
     @property
     def device(self) -> torch.device:

@@ -105,5 +105,6 @@ def build_generator(spec: GeneratorSpec | dict) -> DiffusersGenerator:
             gen.pipeline.transformer = gen.transformer
     if spec.gradient_checkpointing:
         gen.transformer.enable_gradient_checkpointing()
-    set_attention_backend(gen.transformer, spec.attention_backend)
+    if spec.attention_backend not in ("sdpa", "native"):  # a fresh model already runs PyTorch SDPA
+        set_attention_backend(gen.transformer, spec.attention_backend)
     return gen

@@ -1,0 +1,310 @@
+"""One loader for every kind of generator a user points the scripts at (``pipelines/``, ``evaluation/``).
+
+:func:`load_generator` takes a path and decides what it is:
+
+* a **genrl DiT folder** (``config.json`` whose ``_class_name`` is ``VideoDiT``, e.g. ``assets/shapes-dit`` or
+  a ``DiffusersExport`` / ``pipelines/export.py`` output) -> :meth:`DiTGenerator.from_pretrained`;
+* a **diffusers pipeline folder** (``model_index.json``; the family comes from its ``_class_name``:
+  ``WanPipeline`` -> wan, ``StableDiffusion3Pipeline`` -> sd3, ``FluxPipeline`` -> flux, ``SanaPipeline`` ->
+  sana) -> ``family_class(family).from_pretrained`` at the requested sample size (family default when None,
+  see :data:`FAMILY_DEFAULTS`);
+* a **``genrl fit`` checkpoint** (any file, normally ``*.ckpt``): the generator named by its hyper-parameters
+  (``generator``: a :class:`~genrl.models.families.GeneratorSpec`; otherwise ``transformer``: genrl's DiT),
+  the LoRA adapter of the run when it had one, then the trained ``generator.transformer.*`` weights (the EMA
+  shadow over them when ``use_ema`` and the run had an EMA callback).
+
+The returned generator is on the CPU, in eval mode; move it with ``.to(device)`` (frozen parts follow lazily).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["load_generator", "PIPELINE_FAMILIES", "FAMILY_DEFAULTS", "family_of_pipeline", "has_lora",
+           "checkpoint_kind"]
+
+#: diffusers pipeline ``_class_name`` (model_index.json) -> genrl family.
+PIPELINE_FAMILIES: dict[str, str] = {
+    "WanPipeline": "wan",
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "SanaPipeline": "sana",
+}
+
+#: per family: default sample size and sampler settings of the released models (used when the caller gives
+#: none): Wan2.1 T2V 480p (81 frames at 16 fps, 50 steps, CFG 5); SD3.5 at 512 px as in Flow-GRPO (40 steps,
+#: CFG 4.5); FLUX.1-dev at 512 px (28 steps, guidance-distilled: CFG 1); SANA 1024 px (20 steps, CFG 4.5).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "wan": dict(height=480, width=832, num_frames=81, steps=50, cfg_scale=5.0, fps=16),
+    "sd3": dict(height=512, width=512, num_frames=1, steps=40, cfg_scale=4.5, fps=None),
+    "flux": dict(height=512, width=512, num_frames=1, steps=28, cfg_scale=1.0, fps=None),
+    "sana": dict(height=1024, width=1024, num_frames=1, steps=20, cfg_scale=4.5, fps=None),
+}
+
+#: sample size / sampler defaults of genrl's shapes DiT (assets/shapes-dit).
+DIT_DEFAULTS: dict[str, Any] = dict(height=16, width=16, num_frames=8, steps=20, cfg_scale=3.0, fps=8, shift=1.0)
+
+_PREFIX = "generator.transformer."
+
+_EXPECTED = (
+    "expected one of: a genrl DiT folder (config.json with _class_name VideoDiT + *.safetensors, e.g. "
+    "assets/shapes-dit), a diffusers pipeline folder (model_index.json + component folders; "
+    f"{', '.join(PIPELINE_FAMILIES)}), or a `genrl fit` checkpoint file (*.ckpt)"
+)
+
+
+def _resolve(path: str | Path) -> Path:
+    """``path`` as given, or relative to the repository root (``assets/shapes-dit`` run from elsewhere)."""
+    p = Path(path).expanduser()
+    if not p.exists() and not p.is_absolute():
+        repo_relative = Path(__file__).resolve().parents[2] / p
+        if repo_relative.exists():
+            return repo_relative
+    return p
+
+
+def family_of_pipeline(folder: str | Path) -> str:
+    """The genrl family of a diffusers pipeline folder, from ``model_index.json``'s ``_class_name``.
+
+    Raises:
+        FileNotFoundError: no ``model_index.json`` in ``folder``.
+        ValueError: a pipeline class genrl has no adapter for (names it and the supported ones).
+    """
+    index = Path(folder) / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"no diffusers pipeline at {str(folder)!r}: missing {str(index)!r}")
+    name = json.loads(index.read_text()).get("_class_name")
+    if name not in PIPELINE_FAMILIES:
+        raise ValueError(
+            f"{str(index)!r} names the pipeline class {name!r}, which genrl has no adapter for; supported: "
+            + ", ".join(f"{k} ({v})" for k, v in PIPELINE_FAMILIES.items())
+        )
+    return PIPELINE_FAMILIES[name]
+
+
+def has_lora(generator) -> bool:
+    """Whether ``generator.transformer`` carries a (peft) LoRA adapter."""
+    return bool(getattr(generator.transformer, "_hf_peft_config_loaded", False))
+
+
+def _as_dataclass(value, cls):
+    if value is None or isinstance(value, cls):
+        return value
+    if is_dataclass(value):  # e.g. pickled under another module path
+        value = {f.name: getattr(value, f.name) for f in fields(value)}
+    if isinstance(value, dict):
+        return cls(**value)
+    if hasattr(value, "__dict__"):  # a jsonargparse Namespace
+        return cls(**{k: v for k, v in vars(value).items() if not k.startswith("_")})
+    raise TypeError(f"cannot read a {cls.__name__} from a {type(value).__name__}")
+
+
+def _read_checkpoint(path: Path) -> dict:
+    """torch.load a Lightning checkpoint; clear errors for files that are not one."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any failure means "not a checkpoint we can read"
+        raise ValueError(
+            f"{str(path)!r} is not a readable PyTorch checkpoint ({type(e).__name__}: {str(e)[:200]}); {_EXPECTED}"
+        ) from e
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        keys = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(
+            f"{str(path)!r} is not a Lightning checkpoint (no 'state_dict'; top-level: {keys}); {_EXPECTED}"
+        )
+    if not any(k.startswith(_PREFIX) for k in ckpt["state_dict"]):
+        sample = sorted(ckpt["state_dict"])[:5]
+        raise ValueError(
+            f"{str(path)!r} is a Lightning checkpoint but not a genrl generator one: it holds no {_PREFIX}* "
+            f"weights (first keys: {sample}); {_EXPECTED}"
+        )
+    return ckpt
+
+
+def checkpoint_kind(ckpt: dict) -> str:
+    """``"family"`` when the run used a diffusers family (hyper-parameter ``generator``), else ``"dit"``."""
+    return "family" if ckpt.get("hyper_parameters", {}).get("generator") is not None else "dit"
+
+
+def _trained_weights(ckpt: dict, use_ema: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    """``generator.transformer.*`` weights of the checkpoint (prefix stripped), EMA shadow over them; and
+    whether an EMA shadow was applied."""
+    weights = {k[len(_PREFIX):]: v for k, v in ckpt["state_dict"].items() if k.startswith(_PREFIX)}
+    if use_ema:
+        for state in (ckpt.get("callbacks") or {}).values():
+            if isinstance(state, dict) and isinstance(state.get("shadow"), dict):
+                shadow = {k[len(_PREFIX):]: v for k, v in state["shadow"].items() if k.startswith(_PREFIX)}
+                unknown = sorted(set(shadow) - set(weights))
+                if unknown:
+                    raise KeyError(f"EMA shadow holds weights the model lacks: {unknown[:5]}")
+                weights.update(shadow)
+                return weights, True
+    return weights, False
+
+
+def _load_weights(generator, ckpt: dict, use_ema: bool, source: Path) -> None:
+    weights, ema = _trained_weights(ckpt, use_ema)
+    transformer = generator.transformer
+    missing, unexpected = transformer.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"the weights in {str(source)!r} do not fit the rebuilt transformer ({type(transformer).__name__}): "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}; was the recorded base model (pretrained=) or LoRA changed?"
+        )
+    generator.load_info = dict(path=str(source), kind="checkpoint", ema=ema, lora=has_lora(generator))
+
+
+def _add_lora(generator, lora) -> None:
+    if lora is None:
+        return
+    from genrl.methods.grpo import LoraSpec
+
+    _as_dataclass(lora, LoraSpec).add_to(generator)
+
+
+def _load_family_checkpoint(path: Path, ckpt: dict, hp: dict, *, height, width, num_frames, torch_dtype,
+                            use_ema, pretrained):
+    from genrl.models.families import GeneratorSpec, build_generator
+
+    spec = _as_dataclass(hp["generator"], GeneratorSpec)
+    changes: dict[str, Any] = {"torch_dtype": torch_dtype}
+    for key, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+        if value is not None:
+            changes[key] = int(value)
+    if pretrained is not None:
+        folder = _resolve(pretrained)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"pretrained={str(pretrained)!r} is not a folder; give the local diffusers "
+                                    f"pipeline folder the run in {str(path)!r} started from")
+        changes["pretrained"], changes["components"] = str(folder), {}
+    elif spec.pretrained is not None and spec.local_files_only:
+        folder = _resolve(spec.pretrained)
+        if not folder.exists():
+            raise FileNotFoundError(
+                f"checkpoint {str(path)!r} was trained from the {spec.family} weights at {spec.pretrained!r}, which "
+                f"do not exist here; pass pretrained=<a local copy of that diffusers folder> (scripts: --pretrained)"
+            )
+        changes["pretrained"] = str(folder)
+    spec = replace(spec, **changes)
+    generator = build_generator(spec)
+    _add_lora(generator, hp.get("lora"))
+    _load_weights(generator, ckpt, use_ema, path)
+    return generator
+
+
+def _load_dit_checkpoint(path: Path, ckpt: dict, hp: dict, *, text_encoder, use_ema, pretrained):
+    from genrl.models.generator import DiTGenerator
+    from genrl.models.spec import ModelSpec
+    from genrl.models.text_encoder import TextEncoder
+
+    spec = _as_dataclass(hp.get("transformer") or ModelSpec(), ModelSpec)
+    base = pretrained if pretrained is not None else spec.pretrained
+    if base is not None and (_resolve(base) / (spec.subfolder or "") / "config.json").is_file():
+        # the recorded base folder fixes the whole config (e.g. causal_chunk_size); its weights are replaced below
+        transformer = ModelSpec(model_class=spec.model_class, pretrained=str(_resolve(base)),
+                                subfolder=spec.subfolder).build()
+    elif pretrained is not None:
+        raise FileNotFoundError(f"pretrained={str(pretrained)!r} holds no config.json; give the genrl DiT folder the "
+                                f"run in {str(path)!r} started from (e.g. assets/shapes-dit)")
+    else:
+        if base is not None:
+            warnings.warn(f"checkpoint {str(path)!r} names the base model {base!r}, which does not exist here; "
+                          f"rebuilding the transformer from its default config (pass pretrained= if loading fails)")
+        transformer = ModelSpec(model_class=spec.model_class, config=dict(spec.config)).build()
+    encoder = TextEncoder.from_pretrained(text_encoder or hp.get("text_encoder", "minilm"),
+                                          max_length=hp.get("max_text_length", 32))
+    generator = DiTGenerator(transformer, encoder)
+    _add_lora(generator, hp.get("lora"))
+    _load_weights(generator, ckpt, use_ema, path)
+    return generator
+
+
+def load_generator(
+    model: str | Path,
+    *,
+    text_encoder: str | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    num_frames: int | None = None,
+    torch_dtype: str = "float32",
+    use_ema: bool = True,
+    pretrained: str | None = None,
+):
+    """Load a generator from a genrl DiT folder, a diffusers pipeline folder or a ``genrl fit`` checkpoint.
+
+    Args:
+        model: the path (see the module docstring for how its kind is detected). A relative path that does not
+            exist is also tried relative to the repository root (``assets/shapes-dit`` from anywhere).
+        text_encoder: the DiT's prompt encoder (a local folder or ``"minilm"``; default: the model's). Not
+            allowed for diffusers families, whose text encoders are part of the pipeline.
+        height, width, num_frames: sample size of a diffusers family in pixels / frames (default: the run's
+            recorded size for a checkpoint, else :data:`FAMILY_DEFAULTS`; image families force 1 frame).
+            Ignored by the DiT, whose size is the latent shape the caller samples.
+        torch_dtype: weights dtype of a family's components (``"float32"``, ``"bfloat16"``, ``"float16"``);
+            genrl's DiT stays float32.
+        use_ema: a checkpoint's EMA weights (when its run had the EMA callback) instead of the raw ones.
+        pretrained: for a checkpoint, the local base-model folder to use instead of the one the run recorded
+            (for checkpoints moved from another machine whose recorded path does not resolve here).
+    Returns:
+        a :class:`~genrl.models.generator.DiTGenerator` or a
+        :class:`~genrl.models.families.DiffusersGenerator` (CPU, eval mode). A checkpoint trained with LoRA
+        returns the base model with the trained adapter attached (see :func:`has_lora`). ``generator.load_info``
+        says what was loaded: ``{"path", "kind": "checkpoint" | "pipeline" | "dit_folder", "ema": bool (an EMA
+        shadow was applied), "lora": bool}``.
+    Raises:
+        FileNotFoundError: nothing at ``model`` (or a folder that is none of the three kinds), or a
+            checkpoint's recorded base model is missing here; the message names the path and what was expected.
+        ValueError: an unsupported diffusers pipeline class (names it and the supported ones); a file that is
+            not a genrl checkpoint; weights that do not fit the rebuilt model; ``text_encoder`` for a family.
+    """
+    path = _resolve(model)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {str(model)!r}; {_EXPECTED}")
+    if path.is_file():
+        ckpt = _read_checkpoint(path)
+        hp = dict(ckpt.get("hyper_parameters") or {})
+        if checkpoint_kind(ckpt) == "family":
+            if text_encoder is not None:
+                raise ValueError("text_encoder applies to genrl's DiT only; a diffusers family uses its pipeline's")
+            gen = _load_family_checkpoint(path, ckpt, hp, height=height, width=width, num_frames=num_frames,
+                                          torch_dtype=torch_dtype, use_ema=use_ema, pretrained=pretrained)
+        else:
+            gen = _load_dit_checkpoint(path, ckpt, hp, text_encoder=text_encoder, use_ema=use_ema,
+                                       pretrained=pretrained)
+        return gen.eval()
+    if (path / "model_index.json").is_file():
+        from genrl.models.families import family_class
+
+        family = family_of_pipeline(path)
+        if text_encoder is not None:
+            raise ValueError(f"text_encoder applies to genrl's DiT only; the {family} pipeline at {str(path)!r} "
+                             f"brings its own text encoders")
+        cls = family_class(family)
+        defaults = FAMILY_DEFAULTS[family]
+        size = dict(height=int(height or defaults["height"]), width=int(width or defaults["width"]),
+                    num_frames=int(num_frames or defaults["num_frames"]) if cls.is_video else 1)
+        gen = cls.from_pretrained(str(path), torch_dtype=torch_dtype, **size).eval()
+        gen.load_info = dict(path=str(path), kind="pipeline", ema=False, lora=False)
+        return gen
+    config = path / "config.json"
+    if config.is_file():
+        name = json.loads(config.read_text()).get("_class_name")
+        if name == "VideoDiT":
+            from genrl.models.generator import DiTGenerator
+
+            gen = DiTGenerator.from_pretrained(str(path), text_encoder=text_encoder or "minilm").eval()
+            gen.load_info = dict(path=str(path), kind="dit_folder", ema=False, lora=False)
+            return gen
+        raise ValueError(
+            f"{str(path)!r} holds a bare {name!r} model, not a generator; point at the whole diffusers pipeline "
+            f"folder (model_index.json), or use GeneratorSpec(transformer_path=...) to swap a trained transformer "
+            f"into a pipeline; {_EXPECTED}"
+        )
+    raise FileNotFoundError(f"{str(path)!r} is a folder without model_index.json or config.json; {_EXPECTED}")
