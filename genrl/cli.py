@@ -8,7 +8,6 @@ overrides come last (``--model.cfg_scale=4``), ``--print_config`` prints the res
 
 from __future__ import annotations
 
-import sys
 
 from lightning.pytorch.cli import LightningCLI
 

@@ -255,10 +255,27 @@ class DiffusersGenerator(nn.Module):
         pipeline = cls.pipeline_type()(scheduler=sched, **modules)
         return cls(pipeline, **kwargs)
 
+    #: how :meth:`from_config` builds each component: ``{name: (class path, config-class path or None)}``;
+    #: a config class means ``Model(Config(**values))`` (transformers), else ``Model(**values)`` (diffusers);
+    #: the class path ``"word_level"`` builds :func:`~genrl.models.families.tokenizers.word_level_tokenizer`.
+    component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {}
+
     @classmethod
     def build_component(cls, name: str, values: dict[str, Any]):
-        """Build component ``name`` from config values (random weights). Subclasses map names to classes."""
-        raise NotImplementedError
+        """Component ``name`` with random weights from config values (see :attr:`component_classes`).
+
+        Raises:
+            ValueError: ``name`` is not a component of the family (lists the valid ones).
+        """
+        if name not in cls.component_classes:
+            raise ValueError(f"{cls.family} has no component {name!r}; expected one of {sorted(cls.component_classes)}")
+        class_path, config_path = cls.component_classes[name]
+        if class_path == "word_level":
+            from genrl.models.families.tokenizers import word_level_tokenizer
+
+            return word_level_tokenizer(**values)
+        model_cls = _import(class_path)
+        return model_cls(_import(config_path)(**values)) if config_path else model_cls(**values)
 
     def save_pretrained(self, folder: str | Path, safe_serialization: bool = True) -> Path:
         """Write the whole pipeline (transformer included) as a diffusers folder that
@@ -344,6 +361,26 @@ class DiffusersGenerator(nn.Module):
             raise ValueError(f"conditioning holds {len(cond)} prompts for a batch of {x.shape[0]} latents")
         if sigma.shape[0] != x.shape[0]:
             raise ValueError(f"sigma of shape {tuple(sigma.shape)} for a batch of {x.shape[0]}")
+
+    def _image_inputs(self, x: torch.Tensor, sigma: torch.Tensor, cond, pooled: bool = False) -> torch.Tensor:
+        """Checks of an image family's ``velocity`` inputs; returns sigma as [B].
+
+        Raises:
+            ValueError: a per-frame sigma [B, T] with T != 1 (an image has one frame), the shape checks of
+                ``_check_x``, or (``pooled``) a conditioning without the pooled vector the family needs.
+        """
+        if sigma.ndim == 2:
+            if sigma.shape[1] != 1:
+                raise ValueError(f"{self.family}: per-frame sigma of shape {tuple(sigma.shape)}; an image has one "
+                                 f"frame, expected [B] or [B, 1]")
+            sigma = sigma[:, 0]
+        if sigma.ndim != 1:
+            raise ValueError(f"{self.family}: sigma of shape {tuple(sigma.shape)}; expected [B] or [B, 1]")
+        self._check_x(x, sigma, cond)
+        if pooled and cond.pooled is None:
+            raise ValueError(f"{self.family}: the conditioning has no pooled vector; encode the prompts with this "
+                             f"generator's encode_prompts")
+        return sigma
 
     def save_lora(self, folder: str | Path) -> Path:
         """Save the transformer's LoRA adapter in the diffusers LoRA format

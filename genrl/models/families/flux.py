@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 import torch
 
 from genrl.models.families.base import DiffusersGenerator
-from genrl.models.families.tokenizers import word_level_tokenizer
 
 __all__ = ["FluxGenerator", "FLUX_SCHEDULER", "flux_dynamic_shift"]
 
@@ -108,27 +107,12 @@ class FluxGenerator(DiffusersGenerator):
         as defaults, so a saved random pipeline samples with the dynamic shift like a real one."""
         return super().from_config(components, scheduler=FLUX_SCHEDULER | dict(scheduler or {}), **kwargs)
 
-    @classmethod
-    def build_component(cls, name: str, values: dict[str, Any]):
-        if name == "transformer":
-            from diffusers import FluxTransformer2DModel
-
-            return FluxTransformer2DModel(**values)
-        if name == "vae":
-            from diffusers import AutoencoderKL
-
-            return AutoencoderKL(**values)
-        if name == "text_encoder":
-            from transformers import CLIPTextConfig, CLIPTextModel
-
-            return CLIPTextModel(CLIPTextConfig(**values))
-        if name == "text_encoder_2":
-            from transformers import T5Config, T5EncoderModel
-
-            return T5EncoderModel(T5Config(**values))
-        if name in ("tokenizer", "tokenizer_2"):
-            return word_level_tokenizer(**values)
-        raise ValueError(f"flux has no component {name!r}")
+    component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "transformer": ("diffusers.FluxTransformer2DModel", None), "vae": ("diffusers.AutoencoderKL", None),
+        "text_encoder": ("transformers.CLIPTextModel", "transformers.CLIPTextConfig"),
+        "text_encoder_2": ("transformers.T5EncoderModel", "transformers.T5Config"),
+        "tokenizer": ("word_level", None), "tokenizer_2": ("word_level", None),
+    }
 
     # ------------------------------------------------------------------ sizes and layout
     @property
@@ -188,14 +172,7 @@ class FluxGenerator(DiffusersGenerator):
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond, **kwargs) -> torch.Tensor:
         """Velocity [B, C, h, w] at latents x [B, C, h, w] and sigma [B] (or [B, 1]) in [0, 1]
         (see the class docstring)."""
-        if sigma.ndim == 2:
-            if sigma.shape[1] != 1:
-                raise ValueError(f"flux: per-frame sigma of shape {tuple(sigma.shape)}; an image has one frame "
-                                 f"(use [B] or [B, 1])")
-            sigma = sigma[:, 0]
-        self._check_x(x, sigma, cond)
-        if cond.pooled is None:
-            raise ValueError("flux: the conditioning has no pooled CLIP vector; encode prompts with this generator")
+        sigma = self._image_inputs(x, sigma, cond, pooled=True)
         dtype, device = self.dtype, x.device
         b, _, h, w = x.shape
         hidden = cond.hidden_states.to(device, dtype)

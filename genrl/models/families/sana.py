@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from genrl.models.families.base import DiffusersGenerator
-from genrl.models.families.tokenizers import word_level_tokenizer
 
 __all__ = ["SanaGenerator", "pipeline_complex_human_instruction"]
 
@@ -87,23 +86,10 @@ class SanaGenerator(DiffusersGenerator):
         super().__init__(pipeline, height, width, num_frames=1, **kwargs)
         self.complex_human_instruction = list(complex_human_instruction or [])
 
-    @classmethod
-    def build_component(cls, name: str, values: dict[str, Any]):
-        if name == "transformer":
-            from diffusers import SanaTransformer2DModel
-
-            return SanaTransformer2DModel(**values)
-        if name == "vae":
-            from diffusers import AutoencoderDC
-
-            return AutoencoderDC(**values)
-        if name == "text_encoder":
-            from transformers import Gemma2Config, Gemma2Model
-
-            return Gemma2Model(Gemma2Config(**values))
-        if name == "tokenizer":
-            return word_level_tokenizer(**values)
-        raise ValueError(f"sana has no component {name!r}")
+    component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "transformer": ("diffusers.SanaTransformer2DModel", None), "vae": ("diffusers.AutoencoderDC", None),
+        "text_encoder": ("transformers.Gemma2Model", "transformers.Gemma2Config"), "tokenizer": ("word_level", None),
+    }
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -154,11 +140,7 @@ class SanaGenerator(DiffusersGenerator):
             ValueError: a latent shape other than [B, *latent_shape], a sigma of another shape, or a
                 conditioning of another batch size.
         """
-        if sigma.ndim == 2 and sigma.shape[1] == 1:
-            sigma = sigma[:, 0]
-        if sigma.ndim != 1:
-            raise ValueError(f"sana: sigma of shape {tuple(sigma.shape)}; expected [B] or [B, 1] (one image frame)")
-        self._check_x(x, sigma, cond)
+        sigma = self._image_inputs(x, sigma, cond)
         cfg = self.transformer.config
         t = sigma.to(x.device, torch.float32) * 1000.0 * float(cfg.timestep_scale)
         out = self.transformer(hidden_states=x.to(self.dtype), timestep=t,

@@ -9,12 +9,11 @@ Native latent layout: [B, C, h, w] with h = H / vae_scale_factor, w = W / vae_sc
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from genrl.models.families.base import DiffusersGenerator
-from genrl.models.families.tokenizers import word_level_tokenizer
 
 __all__ = ["SD3Generator"]
 
@@ -54,34 +53,15 @@ class SD3Generator(DiffusersGenerator):
     default_shift: ClassVar[float] = 3.0
     is_video: ClassVar[bool] = False
 
-    @classmethod
-    def build_component(cls, name: str, values: dict[str, Any]):
-        """Random-weight component from config values: the transformer and VAE take their diffusers
-        constructor values, the CLIP encoders ``CLIPTextConfig`` values, the T5 encoder ``T5Config`` values,
-        tokenizers the values of :func:`~genrl.models.families.tokenizers.word_level_tokenizer`.
-
-        Raises:
-            ValueError: ``name`` is not an SD3 component.
-        """
-        if name == "transformer":
-            from diffusers import SD3Transformer2DModel
-
-            return SD3Transformer2DModel(**values)
-        if name == "vae":
-            from diffusers import AutoencoderKL
-
-            return AutoencoderKL(**values)
-        if name in ("text_encoder", "text_encoder_2"):
-            from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-            return CLIPTextModelWithProjection(CLIPTextConfig(**values))
-        if name == "text_encoder_3":
-            from transformers import T5Config, T5EncoderModel
-
-            return T5EncoderModel(T5Config(**values))
-        if name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
-            return word_level_tokenizer(**values)
-        raise ValueError(f"sd3 has no component {name!r}; expected one of {sorted(cls.components)}")
+    #: random-weight components: the CLIP encoders take ``CLIPTextConfig`` values, the T5 encoder ``T5Config``
+    #: values, tokenizers the values of :func:`~genrl.models.families.tokenizers.word_level_tokenizer`.
+    component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "transformer": ("diffusers.SD3Transformer2DModel", None), "vae": ("diffusers.AutoencoderKL", None),
+        "text_encoder": ("transformers.CLIPTextModelWithProjection", "transformers.CLIPTextConfig"),
+        "text_encoder_2": ("transformers.CLIPTextModelWithProjection", "transformers.CLIPTextConfig"),
+        "text_encoder_3": ("transformers.T5EncoderModel", "transformers.T5Config"),
+        "tokenizer": ("word_level", None), "tokenizer_2": ("word_level", None), "tokenizer_3": ("word_level", None),
+    }
 
     @property
     def vae_scale_factor(self) -> int:
@@ -119,15 +99,7 @@ class SD3Generator(DiffusersGenerator):
             ValueError: wrong latent shape, batch mismatch, a per-frame sigma with T != 1, or a conditioning
                 without the pooled vector SD3 needs.
         """
-        if sigma.ndim == 2:
-            if sigma.shape[1] != 1:
-                raise ValueError(f"sd3: per-frame sigma of shape {tuple(sigma.shape)}; an image has one frame, "
-                                 f"expected [B] or [B, 1]")
-            sigma = sigma[:, 0]
-        self._check_x(x, sigma, cond)
-        if cond.pooled is None:
-            raise ValueError("sd3: the conditioning has no pooled vector; encode prompts with "
-                             "SD3Generator.encode_prompts")
+        sigma = self._image_inputs(x, sigma, cond, pooled=True)
         t = sigma.to(x.device, torch.float32) * 1000.0
         return self.transformer(hidden_states=x.to(self.dtype), timestep=t,
                                 encoder_hidden_states=cond.hidden_states.to(self.dtype),

@@ -12,6 +12,18 @@ _T5 = dict(vocab_size=64, d_model=32, d_ff=37, d_kv=8, num_heads=4, num_layers=2
            relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 _T5_TOKENIZER = dict(specials=["<pad>", "</s>", "<unk>"], pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
                      model_max_length=16)
+# CLIP text: eos id 3 (not the legacy 2), so that CLIP pools at the first end-of-text token as the real
+# encoders do (with eos id 2 transformers pools at the largest token id, a word of this small vocabulary)
+_CLIP_TOKENIZER = dict(specials=["<|startoftext|>", "<pad>", "<unk>", "<|endoftext|>"], bos_token="<|startoftext|>",
+                       eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>", add_bos=True, add_eos=True,
+                       model_max_length=16)
+
+
+def _clip(hidden_size: int, num_hidden_layers: int) -> dict:
+    return dict(bos_token_id=0, pad_token_id=1, eos_token_id=3, hidden_size=hidden_size, intermediate_size=37,
+                num_attention_heads=4, num_hidden_layers=num_hidden_layers, vocab_size=1000, hidden_act="gelu",
+                projection_dim=32, layer_norm_eps=1e-5)
+
 
 TINY: dict[str, dict[str, dict]] = {
     "wan": {
@@ -30,24 +42,14 @@ TINY: dict[str, dict[str, dict]] = {
         "vae": dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
                     latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
                     shift_factor=0.0609, scaling_factor=1.5035),
-        # eos id 3 (not the legacy 2): CLIP then pools at the first end-of-text token, as the real encoders do
-        "text_encoder": dict(bos_token_id=0, pad_token_id=1, eos_token_id=3, hidden_size=16, intermediate_size=37,
-                             num_attention_heads=4, num_hidden_layers=2, vocab_size=1000, hidden_act="gelu",
-                             projection_dim=32, layer_norm_eps=1e-5),
-        "tokenizer": dict(specials=["<|startoftext|>", "<pad>", "<unk>", "<|endoftext|>"], bos_token="<|startoftext|>",
-                          eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>", add_bos=True,
-                          add_eos=True, model_max_length=16),
-        "text_encoder_2": dict(bos_token_id=0, pad_token_id=1, eos_token_id=3, hidden_size=16, intermediate_size=37,
-                               num_attention_heads=4, num_hidden_layers=2, vocab_size=1000, hidden_act="gelu",
-                               projection_dim=32, layer_norm_eps=1e-5),
-        "tokenizer_2": dict(specials=["<|startoftext|>", "<pad>", "<unk>", "<|endoftext|>"],
-                            bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<pad>",
-                            unk_token="<unk>", add_bos=True, add_eos=True, model_max_length=16),
+        "text_encoder": _clip(16, 2),
+        "tokenizer": _CLIP_TOKENIZER,
+        "text_encoder_2": _clip(16, 2),
+        "tokenizer_2": _CLIP_TOKENIZER,
         "text_encoder_3": _T5,
         "tokenizer_3": _T5_TOKENIZER,
     },
-    # FLUX.1 (diffusers' FluxPipeline test sizes; guidance_embeds on to exercise the FLUX.1-dev path; CLIP eos id 3,
-    # not the legacy 2, so the pooled vector is taken at the first end-of-text token as in the real encoder)
+    # FLUX.1 (diffusers' FluxPipeline test sizes; guidance_embeds on to exercise the FLUX.1-dev path)
     "flux": {
         "transformer": dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
                             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
@@ -55,12 +57,8 @@ TINY: dict[str, dict[str, dict]] = {
         "vae": dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
                     latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
                     shift_factor=0.0609, scaling_factor=1.5035),
-        "text_encoder": dict(bos_token_id=0, pad_token_id=1, eos_token_id=3, hidden_size=32, intermediate_size=37,
-                             num_attention_heads=4, num_hidden_layers=5, vocab_size=1000, hidden_act="gelu",
-                             projection_dim=32, layer_norm_eps=1e-5),
-        "tokenizer": dict(specials=["<|startoftext|>", "<pad>", "<unk>", "<|endoftext|>"], bos_token="<|startoftext|>",
-                          eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>", add_bos=True,
-                          add_eos=True, model_max_length=16),
+        "text_encoder": _clip(32, 5),
+        "tokenizer": _CLIP_TOKENIZER,
         "text_encoder_2": _T5,
         "tokenizer_2": _T5_TOKENIZER,
     },

@@ -7,12 +7,11 @@ Native latent layout: [B, C, F, h, w] with F = (num_frames - 1) / 4 + 1, h = H /
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from genrl.models.families.base import DiffusersGenerator
-from genrl.models.families.tokenizers import word_level_tokenizer
 
 __all__ = ["WanGenerator"]
 
@@ -38,23 +37,10 @@ class WanGenerator(DiffusersGenerator):
     default_shift: ClassVar[float] = 3.0
     is_video: ClassVar[bool] = True
 
-    @classmethod
-    def build_component(cls, name: str, values: dict[str, Any]):
-        if name == "transformer":
-            from diffusers import WanTransformer3DModel
-
-            return WanTransformer3DModel(**values)
-        if name == "vae":
-            from diffusers import AutoencoderKLWan
-
-            return AutoencoderKLWan(**values)
-        if name == "text_encoder":
-            from transformers import UMT5Config, UMT5EncoderModel
-
-            return UMT5EncoderModel(UMT5Config(**values))
-        if name == "tokenizer":
-            return word_level_tokenizer(**values)
-        raise ValueError(f"wan has no component {name!r}")
+    component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "transformer": ("diffusers.WanTransformer3DModel", None), "vae": ("diffusers.AutoencoderKLWan", None),
+        "text_encoder": ("transformers.UMT5EncoderModel", "transformers.UMT5Config"), "tokenizer": ("word_level", None),
+    }
 
     @property
     def _scales(self) -> tuple[int, int]:
