@@ -290,7 +290,19 @@ class DiffusersGenerator(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
+        """The transformer's compute dtype: the dtype holding most of its weights (a bf16 model keeps a few
+        modules in float32, ``_keep_in_fp32_modules``, and its LoRA weights are float32)."""
+        if getattr(self, "_dtype_cache", None) is None:
+            counts: dict[torch.dtype, int] = {}
+            for p in self.transformer.parameters():
+                if p.is_floating_point():
+                    counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+            self._dtype_cache = max(counts, key=counts.get)
+        return self._dtype_cache
+
+    def _apply(self, fn, *args, **kwargs):
+        self._dtype_cache = None  # .to(dtype) / .half() / ... change the compute dtype
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
