@@ -255,7 +255,11 @@ def test_protocol_with_a_differentiable_reward(brightness_registered):
     out = r(px, ["x", "y"])
     assert out["valid"].tolist() == [True, False] and torch.isnan(out["reward"][1]) and torch.isnan(out["red"][1])
     assert torch.allclose(out["reward"][0], 3 * px[0].mean())
-    sal = r.saliency(torch.rand(2, 2, 3, 4, 4), ["x", "y"])
-    assert sal.shape == (2, 2, 3, 4, 4) and torch.allclose(sal, torch.full_like(sal, 3.0 / 96))
+    sal = r.saliency(torch.rand(2, 2, 3, 4, 4), ["x", "y"])["reward"]  # || d(3 mean) / d pixel ||_2 over C
+    assert sal.shape == (2, 2, 4, 4) and torch.allclose(sal, torch.full_like(sal, 3.0 / 96 * 3**0.5))
+    small = r.saliency(torch.rand(2, 2, 3, 4, 4), ["x", "y"], dims=["reward", "red"], out_shape=(1, 2, 2))
+    assert small["reward"].shape == (2, 1, 2, 2) and torch.allclose(small["reward"], torch.full((2, 1, 2, 2), 3.0 / 96 * 3**0.5))
+    with pytest.raises(KeyError, match="no output 'blue'"):
+        r.saliency(torch.rand(1, 2, 3, 4, 4), ["x"], dims=["blue"])
     with pytest.raises(TypeError):
         RewardModel()  # abstract

@@ -22,6 +22,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -54,6 +56,9 @@ class RewardModel(torch.nn.Module, metaclass=abc.ABCMeta):
     """
 
     name: ClassVar[str] = ""
+    #: files a local weights folder must hold, ``{relative path: what it is}`` (empty: no weights); the
+    #: manifest check (``genrl rewards check``) and :meth:`require_weights` read it.
+    weight_files: ClassVar[dict[str, str]] = {}
     differentiable: ClassVar[bool] = False
     dimensions: ClassVar[tuple[str, ...]] = ("reward",)
     higher_is_better: ClassVar[bool] = True
@@ -182,28 +187,77 @@ class RewardModel(torch.nn.Module, metaclass=abc.ABCMeta):
         out["valid"] = valid
         return out
 
-    def saliency(self, pixels: Tensor, prompts: list[str], key: str = "reward", **meta: Any) -> Tensor:
-        """Gradient of ``sum(out[key])`` with respect to the pixels (per-sample d reward / d pixels).
+    @classmethod
+    def missing_weights(cls, path: str | Path | None) -> list[str]:
+        """The entries of :attr:`weight_files` absent under ``path`` (all of them when ``path`` is None or not
+        a folder); empty for rewards without weights."""
+        if not cls.weight_files:
+            return []
+        folder = Path(path).expanduser() if path is not None else None
+        if folder is None or not folder.is_dir():
+            return list(cls.weight_files)
+        return [f for f in cls.weight_files if not any(folder.glob(f))]
 
+    @classmethod
+    def require_weights(cls, path: str | Path | None) -> Path:
+        """Check a local weights folder before loading anything; returns it resolved.
+
+        Raises:
+            FileNotFoundError: ``path`` is None, missing, or lacks files; the message lists every expected file
+                with what it is, and marks the missing ones.
+        """
+        label = f"reward {cls.name!r}" if cls.name else cls.__name__
+        missing = cls.missing_weights(path)
+        if not missing:
+            return Path(path).expanduser()
+        layout = "\n".join(f"  {'MISSING ' if f in missing else 'ok      '}{f}  ({what})"
+                           for f, what in cls.weight_files.items())
+        where = "no path given (set path: in the reward's config)" if path is None else (
+            f"{str(path)!r} is not a folder" if not Path(path).expanduser().is_dir() else f"{str(path)!r}")
+        raise FileNotFoundError(f"{label}: weights not found: {where}; expected a local folder with:\n{layout}\n"
+                                f"nothing is downloaded: place these files there (see genrl/rewards/README.md)")
+
+    def saliency(
+        self, pixels: Tensor, prompts: list[str], dims: Sequence[str] | None = None,
+        out_shape: tuple[int, int, int] | None = None, **meta: Any,
+    ) -> dict[str, Tensor]:
+        """Per-pixel input-gradient maps of differentiable rewards (Stream-R1's saliency, research/ar_distill.md):
+        for each output key m, ``S_m = || d sum_b out[m][b] / d pixels ||_2`` over the channel axis.
+
+        Args:
+            pixels: float [B, T, C, H, W] in [0, 1]; prompts: B strings.
+            dims: output keys to differentiate (default: the main key ``"reward"``).
+            out_shape: optional (F, H', W'): each map is resized trilinearly to it (e.g. the latent grid).
         Returns:
-            float tensor shaped like ``pixels``.
+            ``{key: float32 [B, T, H, W]}`` (or [B, F, H', W']), non-negative; the reward's own parameters get
+            no gradient.
 
         Raises:
             NotImplementedError: the reward is not differentiable (names the reward).
-            KeyError: ``key`` is not an output of the reward.
+            KeyError: a key of ``dims`` is not an output of the reward.
         """
         if not self.differentiable:
             raise NotImplementedError(
                 f"{self._label()} is not differentiable, so it has no saliency; use a differentiable reward "
                 f"(differentiable=True) for reward-gradient methods"
             )
+        dims = list(dims) if dims is not None else ["reward"]
         x = pixels.detach().clone().requires_grad_(True)
+        maps: dict[str, Tensor] = {}
         with torch.enable_grad():
             out = self(x, prompts, **meta)
-            if key not in out:
-                raise KeyError(f"{self._label()} has no output {key!r}; outputs: {', '.join(out)}")
-            (grad,) = torch.autograd.grad(out[key].nansum(), x, allow_unused=True)
-        return torch.zeros_like(x) if grad is None else grad
+            for i, key in enumerate(dims):
+                if key not in out or key == "valid":
+                    raise KeyError(f"{self._label()} has no output {key!r}; outputs: {', '.join(out)}")
+                (grad,) = torch.autograd.grad(out[key].nansum(), x, allow_unused=True,
+                                              retain_graph=i < len(dims) - 1)
+                grad = torch.zeros_like(x) if grad is None else grad
+                m = grad.float().norm(dim=2)  # [B, T, H, W]
+                if out_shape is not None:
+                    m = torch.nn.functional.interpolate(m.unsqueeze(1), size=tuple(out_shape), mode="trilinear",
+                                                        align_corners=False).squeeze(1)
+                maps[key] = m.detach()
+        return maps
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, differentiable={self.differentiable}, scale={self.scale}, shift={self.shift}"
