@@ -1,4 +1,11 @@
-"""The ``genrl`` command: a LightningCLI (``genrl fit|validate|test|predict --config ...``).
+"""The ``genrl`` command: a LightningCLI (``genrl fit|validate|test|predict --config ...``), plus two tools
+dispatched before the LightningCLI is built:
+
+* ``genrl reward-serve --reward NAME [--path P] [--kwargs JSON] [--port N]``: serve a reward on loopback for
+  the ``remote`` reward (:mod:`genrl.rewards.server`);
+* ``genrl rewards check --config a.yaml [--config b.yaml] | --reward NAME[:PATH]`` and ``genrl rewards list``:
+  are the configured rewards registered and their weight files present (:mod:`genrl.rewards.check`; exit code
+  1 when something is missing or unknown).
 
 Any ``genrl.methods`` LightningModule is a ``model`` and any LightningDataModule a ``data`` (class_path /
 init_args in YAML). Config files compose left to right (``--config a.yaml --config b.yaml``), dotted
@@ -27,8 +34,29 @@ class GenRLCLI(LightningCLI):
         super().__init__(args=args, run=run, **kwargs)
 
 
+#: ``genrl <tool> ...`` commands that are not LightningCLI subcommands: ``{argv[1]: "module:function"}``; the
+#: function takes the remaining arguments and returns the exit code.
+TOOLS = {
+    "reward-serve": "genrl.rewards.server:main",
+    "rewards": "genrl.rewards.check:main",
+}
+
+
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``genrl`` console script and of ``python -m genrl``."""
+    """Entry point of the ``genrl`` console script and of ``python -m genrl``.
+
+    ``genrl reward-serve ...`` and ``genrl rewards ...`` run their tool and exit with its code (SystemExit);
+    anything else goes to the LightningCLI (``fit``, ``validate``, ``test``, ``predict``, ``--help``).
+    """
+    import sys
+
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv and argv[0] in TOOLS:
+        import importlib
+
+        module, func = TOOLS[argv[0]].split(":")
+        raise SystemExit(getattr(importlib.import_module(module), func)(argv[1:]))
+
     import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
     import genrl.methods  # noqa: F401
 

@@ -55,6 +55,7 @@ def test_family_config_trains_on_tiny_components(family, tmp_path, monkeypatch):
                           "prompt_cache_dir": str(tmp_path / "cache")},
             "rollout": {"num_steps": 3, "num_sde_steps": 2, "micro_batch_size": 2},
             "mini_batch_size": 2, "lora": {"rank": 4},
+            "rewards": [{"name": "colorfulness"}],  # the configs' real rewards need weights / readable text
         }},
         "data": {"init_args": {"group_size": 2, "prompts_per_batch": 1}},
     }

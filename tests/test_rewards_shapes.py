@@ -209,10 +209,10 @@ def test_bad_inputs_raise_clear_errors(verifier):
 
 def test_registry_errors_and_specs():
     assert "shapes" in available_rewards()
-    with pytest.raises(KeyError, match=r"unknown reward 'pickscore'; registered rewards: .*shapes"):
-        build_reward("pickscore")
+    with pytest.raises(KeyError, match=r"unknown reward 'pickscore_v9'; registered rewards: .*pickscore.*shapes"):
+        build_reward("pickscore_v9")
     with pytest.raises(ValueError, match="registered rewards"):
-        build_reward("pickscore")
+        build_reward("pickscore_v9")
     assert issubclass(UnknownRewardError, KeyError) and issubclass(UnknownRewardError, ValueError)
     with pytest.raises(ValueError, match="loads no weights"):
         build_reward("shapes", path="/weights/shapes.pt")

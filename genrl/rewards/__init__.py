@@ -1,7 +1,8 @@
-"""Reward-model zoo: the protocol, the registry and the built-in rewards (DESIGN.md section 3).
+"""Reward-model zoo: the protocol, the registry and the rewards (DESIGN.md section 3; genrl/rewards/README.md).
 
-Importing this package registers the built-ins (``"shapes"``: :class:`ShapesVerifier`;
-``"colorfulness"``: :class:`ColorfulnessReward`).
+Importing this package registers every reward (heavy libraries load only when a reward is built):
+``"shapes"`` (:class:`ShapesVerifier`), ``"colorfulness"``, ``"clipscore"``, ``"pickscore"``, ``"aesthetic"``,
+``"hpsv2"``, ``"imagereward"``, ``"videoalign"``, ``"ocr"`` and ``"remote"`` (a loopback reward server).
 :class:`RewardManager` holds a method's rewards outside its module tree and combines them.
 """
 
@@ -16,6 +17,12 @@ from genrl.rewards.registry import (
 )
 from genrl.rewards.colorfulness import ColorfulnessReward
 from genrl.rewards.shapes import ShapesVerifier
+from genrl.rewards.image import FramePolicy, ImageRewardModel
+from genrl.rewards.clip_rewards import AestheticReward, CLIPScoreReward, HPSv2Reward, PickScoreReward
+from genrl.rewards.image_reward import ImageRewardBLIP
+from genrl.rewards.videoalign import VideoAlignReward
+from genrl.rewards.ocr import OCRReward
+from genrl.rewards.remote import RemoteReward
 from genrl.rewards.manager import (
     RewardManager,
     RewardResult,
@@ -26,7 +33,17 @@ from genrl.rewards.manager import (
 
 __all__ = [
     "RANGE_TOLERANCE",
+    "AestheticReward",
+    "CLIPScoreReward",
     "ColorfulnessReward",
+    "FramePolicy",
+    "HPSv2Reward",
+    "ImageRewardBLIP",
+    "ImageRewardModel",
+    "OCRReward",
+    "PickScoreReward",
+    "RemoteReward",
+    "VideoAlignReward",
     "RewardModel",
     "RewardSpec",
     "ShapesVerifier",

@@ -188,9 +188,10 @@ class RewardModel(torch.nn.Module, metaclass=abc.ABCMeta):
         return out
 
     @classmethod
-    def missing_weights(cls, path: str | Path | None) -> list[str]:
+    def missing_weights(cls, path: str | Path | None, **kwargs: Any) -> list[str]:
         """The entries of :attr:`weight_files` absent under ``path`` (all of them when ``path`` is None or not
-        a folder); empty for rewards without weights."""
+        a folder); empty for rewards without weights. ``kwargs`` are the reward's constructor arguments from
+        its config (a reward whose files may live elsewhere, e.g. VideoAlign's ``base_model``, overrides this)."""
         if not cls.weight_files:
             return []
         folder = Path(path).expanduser() if path is not None else None

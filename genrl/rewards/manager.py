@@ -41,6 +41,13 @@ Combination modes (``combine``), all applied to each reward's main ``"reward"`` 
   :func:`per_reward_advantages`: group advantages of each reward separately, then their weighted sum
   (DanceGRPO multi-reward, GDPO), so that a reward with a large spread does not drown the others.
 
+Per reward, ``standardize: true`` in its spec applies the ``zscore_sum`` standardisation to that reward only,
+under any mode: ``w_i (r_i - m_i) / (s_i + eps)`` enters ``total`` while the other rewards enter as
+``w_i r_i`` (e.g. a reward on an unknown, drifting scale next to calibrated ones). The running statistics are
+the same per-reward ones, kept in :meth:`RewardManager.state_dict`. It changes ``total`` only:
+``RewardResult.rewards`` / ``components`` stay the raw (scaled / shifted) values, and
+:func:`per_reward_advantages` (``advantage_sum``) group-normalises every reward anyway.
+
 Distributed runs: the manager scores what it is given. Each rank scores its own shard; group statistics
 (advantages) need the all-gathered rewards, and ``zscore_sum`` statistics diverge between ranks unless every
 rank calls the manager on the same (gathered) batch or only feeds gathered rewards. Gathering is the
@@ -53,7 +60,7 @@ import inspect
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Literal
 
 import torch
@@ -91,16 +98,16 @@ def as_reward_spec(spec: RewardSpec | Mapping[str, Any]) -> RewardSpec:
     """Normalise a config entry to a :class:`~genrl.rewards.RewardSpec`.
 
     A mapping may use the RewardSpec fields (``name``, ``path``, ``weight``, ``scale``, ``shift``,
-    ``kwargs``) and may also give constructor arguments flat, e.g. ``{"name": "shapes", "world": {...}}``
-    (the form ``PretrainMethod.val_rewards`` uses); flat keys are merged into ``kwargs``.
+    ``kwargs``, ``standardize``) and may also give constructor arguments flat, e.g. ``{"name": "shapes",
+    "world": {...}}`` (the form ``PretrainMethod.val_rewards`` uses); flat keys are merged into ``kwargs``.
 
     Raises:
         TypeError: not a RewardSpec or mapping, or ``kwargs`` not a mapping.
         ValueError: no ``name``; a constructor argument given both flat and in ``kwargs``; a non-finite
-            ``weight``, ``scale`` or ``shift``.
+            ``weight``, ``scale`` or ``shift``; a non-bool ``standardize``.
     """
     if isinstance(spec, RewardSpec):
-        out = RewardSpec(spec.name, spec.path, spec.weight, spec.scale, spec.shift, dict(spec.kwargs))
+        out = replace(spec, kwargs=dict(spec.kwargs))
     elif isinstance(spec, Mapping):
         d = dict(spec)
         if "name" not in d:
@@ -124,6 +131,8 @@ def as_reward_spec(spec: RewardSpec | Mapping[str, Any]) -> RewardSpec:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"reward spec {out.name!r}: {attr} must be a finite number, got {value!r}")
         setattr(out, attr, float(value))
+    if not isinstance(out.standardize, bool):
+        raise ValueError(f"reward spec {out.name!r}: standardize must be true or false, got {out.standardize!r}")
     return out
 
 
@@ -164,8 +173,7 @@ def build_reward_with_context(
         for key, value in context.items():
             if key in accepted and key not in kwargs and key not in _RESERVED:
                 kwargs[key] = value
-    spec = RewardSpec(spec.name, spec.path, spec.weight, spec.scale, spec.shift, kwargs)
-    model = spec.build()
+    model = replace(spec, kwargs=kwargs).build()
     model.requires_grad_(False)
     return model.eval()
 
@@ -187,7 +195,8 @@ class RewardResult:
         combine: the combination mode used.
         errors: ``{reward: number of chunk calls that raised}`` in this batch (``on_error="invalid"``).
         nan_rewards: ``{reward: samples whose main score was NaN / inf although the reward marked them valid}``.
-        stats: extra scalars for logging (running mean / std / count per reward under ``zscore_sum``).
+        stats: extra scalars for logging (running mean / std / count per standardised reward: every reward under
+            ``zscore_sum``, those with ``standardize`` otherwise).
     """
 
     components: dict[str, Tensor]
@@ -591,8 +600,8 @@ class RewardManager:
                 sliced per chunk, anything else is passed whole.
 
         Returns:
-            :class:`RewardResult` (CPU, float32 scores). ``zscore_sum`` updates the running statistics with
-            this batch's valid samples before standardising it.
+            :class:`RewardResult` (CPU, float32 scores). ``zscore_sum`` (or a spec's ``standardize``) updates
+            the running statistics with this batch's valid samples before standardising it.
 
         Raises:
             TypeError, ValueError: pixels not a rank-5 float tensor, or ``len(prompts) != B``.
@@ -647,9 +656,9 @@ class RewardManager:
         weights = self.weights
         stats: dict[str, float] = {}
         total = torch.zeros(n, dtype=torch.float64)
-        for name in self.names:
+        for name, spec in zip(self.names, self.specs):
             r = torch.where(valid_all, rewards[name].double(), torch.zeros(n, dtype=torch.float64))
-            if self.combine == "zscore_sum":
+            if self.combine == "zscore_sum" or spec.standardize:
                 w = self._stats[name]
                 w.update(rewards[name][reward_valid[name]])
                 r = torch.where(valid_all, (r - w.mean) / (w.std + ZSCORE_EPS), r)

@@ -102,6 +102,9 @@ class RewardSpec:
         weight: weight in a combined reward (used by the combiner, not by the reward itself).
         scale, shift: affine on the reward's main key.
         kwargs: further constructor arguments.
+        standardize: standardise this reward's main key with its running mean / std (over every valid sample
+            seen so far) before weighting it into the combined total, whatever the manager's ``combine``
+            (``zscore_sum`` does it for every reward); see :class:`~genrl.rewards.RewardManager`.
     """
 
     name: str
@@ -110,6 +113,7 @@ class RewardSpec:
     scale: float = 1.0
     shift: float = 0.0
     kwargs: dict[str, Any] = field(default_factory=dict)
+    standardize: bool = False
 
     def build(self) -> RewardModel:
         """``build_reward(name, path, scale=..., shift=..., **kwargs)``; raises like :func:`build_reward`."""
