@@ -296,8 +296,9 @@ def sde_step(
     sigma_at_one: float | None = None,
     frame_dim: int = 1,
     reduce: LogProbReduce = "mean",
+    std_scale: float = 1.0,
 ) -> StepOutput:
-    """One sampler step x -> x' with the step kernel ``kind``: sample = mean + std * noise.
+    """One sampler step x -> x' with the step kernel ``kind``: sample = mean + std_scale * std * noise.
 
     The noise is drawn by the caller (from generators addressable by (seed, sample, step),
     DESIGN.md §2), so the step is a pure function. ``log_prob`` is
@@ -320,18 +321,24 @@ def sde_step(
         sigma_at_one: "flow_grpo" only: the schedule's second entry (used at sigma == 1).
         frame_dim: frame dim of ``x`` for per-frame sigmas.
         reduce: log-prob reduction over the latent elements, "mean" (reference) or "sum".
+        std_scale: multiplies the kernel's std (BranchGRPO's split-step noise scale kappa); the returned
+            std and log_prob are those of the scaled Gaussian actually sampled.
 
     Returns:
         `StepOutput` (sample, mean, std, log_prob [B]), float32 (float64 if any input is float64).
 
     Raises:
         ValueError: as `step_mean_std`; ``noise`` missing or of the wrong shape for a stochastic
-            step; a zero std somewhere in a stochastic step (`gaussian_log_prob`).
+            step; a zero std somewhere in a stochastic step (`gaussian_log_prob`); ``std_scale <= 0``.
 
     Source: Liu et al. 2025, Flow-GRPO (SDE sampling step); Xue et al. 2025, DanceGRPO (``flux_step``).
     Spec: research/grpo.md §1.2-1.3, §3.1.
     """
+    if not std_scale > 0:
+        raise ValueError(f"std_scale must be > 0, got {std_scale}")
     mean, std = step_mean_std(kind, x, v, sigma, sigma_next, noise_level, sigma_at_one, frame_dim)
+    if std_scale != 1.0:
+        std = std * std_scale
     if kind == "ode" or float(noise_level) == 0.0:
         if reduce not in _REDUCES:
             raise ValueError(f"unknown reduce {reduce!r}; expected one of {_REDUCES}")
@@ -356,6 +363,7 @@ def step_log_prob(
     sigma_at_one: float | None = None,
     frame_dim: int = 1,
     reduce: LogProbReduce = "mean",
+    std_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probability of a recorded transition x -> sample under a (new) velocity v.
 
@@ -370,7 +378,7 @@ def step_log_prob(
         v: velocity at (x, sigma) under the current policy, shape of ``x``.
         sigma, sigma_next: the step's noise levels as in the rollout.
         sample: the recorded x' (as `sde_step` returned it), shape of ``x``.
-        noise_level, sigma_at_one, frame_dim, reduce: as in the rollout.
+        noise_level, sigma_at_one, frame_dim, reduce, std_scale: as in the rollout.
 
     Returns:
         (log_prob [B], mean, std) as in `sde_step`, float32 (float64 if any input is float64).
@@ -383,5 +391,9 @@ def step_log_prob(
     """
     if sample.shape != x.shape:
         raise ValueError(f"sample of shape {tuple(sample.shape)} must match x of shape {tuple(x.shape)}")
+    if not std_scale > 0:
+        raise ValueError(f"std_scale must be > 0, got {std_scale}")
     mean, std = step_mean_std(kind, x, v, sigma, sigma_next, noise_level, sigma_at_one, frame_dim)
+    if std_scale != 1.0:
+        std = std * std_scale
     return gaussian_log_prob(sample.detach(), mean, std, reduce), mean, std

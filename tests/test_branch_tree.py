@@ -1,0 +1,155 @@
+"""BranchGRPO tree rollouts: counts, bitwise leaves, exact first-update ratios, fusion, depth-wise advantages,
+pruning, and the single-split reduction to flat GRPO."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genrl.flow.policy import clipped_policy_loss, group_advantages
+from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
+from genrl.models import DiTGenerator, TextEncoder, VideoDiT
+from genrl.rollout import RolloutConfig, Trajectory, transition_log_prob
+from genrl.rollout.tree import TreeConfig, edge_log_prob, regenerate_leaf, tree_rollout
+
+SHAPE = (2, 3, 4, 4)
+PROMPTS = ["a red circle moving left slowly", "a blue square staying still"]
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_text_encoder) -> DiTGenerator:
+    torch.manual_seed(0)
+    dit = VideoDiT(hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=16, patch_size=[2, 2, 2])
+    with torch.no_grad():
+        for p in dit.parameters():
+            p.normal_(0.0, 0.1)
+    return DiTGenerator(dit.eval(), TextEncoder.from_pretrained(tiny_text_encoder))
+
+
+def test_reference_counts():
+    tree = TreeConfig(split_steps=[0, 3, 6, 9], branch_factor=2)
+    assert tree.leaves == 16 and tree.denoiser_evals(20) == 203 and tree.num_edges(20) == 218
+    assert TreeConfig(split_steps=[0, 2], branch_factor=3).leaves == 9
+    with pytest.raises(ValueError, match=r"split steps \[20\] are outside the schedule: valid steps are 0..19"):
+        TreeConfig(split_steps=[0, 20]).check(20)
+    with pytest.raises(ValueError, match="over the declared budget max_frontier=64"):
+        TreeConfig(split_steps=[0, 3, 6, 9], max_frontier=64).check(20, trees=8)
+    with pytest.raises(ValueError, match="branch_factor must be >= 2"):
+        TreeConfig(branch_factor=1)
+
+
+def _small(**kw) -> tuple[RolloutConfig, TreeConfig]:
+    config = RolloutConfig(num_steps=6, kernel="dance_grpo", noise_level=0.3, micro_batch_size=4, cfg_scale=2.0)
+    return config, TreeConfig(split_steps=[0, 2, 4], branch_factor=2, **kw)
+
+
+def test_rollout_counts_bitwise_leaves_and_exact_ratios(gen):
+    config, tree = _small(split_noise_scale=4.0)
+    ro = tree_rollout(gen, PROMPTS, SHAPE, seed=3, tree_indices=[5, 9], config=config, tree=tree)
+    assert ro.leaves.shape == (2 * 8, *SHAPE)
+    assert ro.denoiser_evals == 2 * tree.denoiser_evals(6)
+    edges = ro.edges()
+    assert edges["step"].numel() == 2 * tree.num_edges(6)
+    for leaf in (0, 7, 11):  # any leaf, regenerated alone from its seed and path, is bitwise equal
+        t = int(ro.tree[-1][leaf])
+        alone = regenerate_leaf(gen, PROMPTS[t], SHAPE, 3, int(ro.tree_indices[t]), int(ro.codes[-1][leaf]), config, tree)
+        assert torch.equal(alone.cpu(), ro.leaves[leaf])
+    for k in range(6):  # the loss side recomputes every edge's log-prob exactly (ratio 1 on the first update)
+        children = torch.arange(ro.latents[k + 1].shape[0])
+        lp, _ = edge_log_prob(gen, ro, k, children)
+        assert torch.equal(lp.detach().cpu(), ro.log_probs[k + 1]), k
+    # siblings share their parent and differ at the split; the stored split log-prob is the scaled density
+    assert torch.equal(ro.parent[1], torch.tensor([0, 0, 1, 1]))
+    assert ro.std_scales == [4.0, 1.0, 4.0, 1.0, 4.0, 1.0]
+    # mean log-prob of a draw from N(mu, s^2): about -1/2 - log s - log(2 pi)/2 whatever kappa is
+    scaled = ro.log_probs[1].mean()
+    compat = tree_rollout(gen, PROMPTS, SHAPE, seed=3, tree_indices=[5, 9], config=config,
+                          tree=TreeConfig(split_steps=[0, 2, 4], split_noise_scale=4.0, reference_split_log_prob=True))
+    assert torch.equal(compat.leaves, ro.leaves)  # same samples, only the stored density differs
+    assert compat.log_probs[1].mean() < scaled - 5  # the reference's unscaled density: E[l] lower by ~(k^2-1)/2
+
+
+def test_mix_windows_and_deterministic_steps(gen):
+    tree = TreeConfig(split_steps=[0, 3], mix_window=2, mix_stride=30)
+    assert tree.sde_mask(6).tolist() == [True, True, False, True, False, False]
+    config = RolloutConfig(num_steps=6, kernel="dance_grpo", noise_level=0.3, micro_batch_size=4)
+    ro = tree_rollout(gen, PROMPTS[:1], SHAPE, seed=0, config=config, tree=tree)
+    assert set(ro.edges()["step"].tolist()) == {0, 1, 3}
+    assert ro.log_probs[3].abs().sum() == 0  # step 2 is an Euler step
+    with pytest.raises(ValueError, match="deterministic"):
+        edge_log_prob(gen, ro, 2, torch.arange(2))
+
+
+def test_fusion_and_depthwise_advantages():
+    # one tree, splits at steps 0 and 1 (factor 2), 3 steps: leaves r = [1, 2, 3, 5]
+    parent = [torch.zeros(0, dtype=torch.long), torch.tensor([0, 0]), torch.tensor([0, 0, 1, 1]),
+              torch.tensor([0, 1, 2, 3])]
+    tree = [torch.zeros(n, dtype=torch.long) for n in (1, 2, 4, 4)]
+    r, ok = fuse_rewards(parent, torch.tensor([1.0, 2.0, 3.0, 5.0]))
+    assert r[0].tolist() == [2.75] and r[1].tolist() == [1.5, 4.0] and r[2].tolist() == [1.0, 2.0, 3.0, 5.0]
+    adv = depthwise_advantages(r, ok, tree)
+    assert adv[0].tolist() == [0.0]  # a depth with one node
+    half = 2**-0.5
+    torch.testing.assert_close(adv[1], torch.tensor([-half, half]), atol=1e-6, rtol=0)  # 2 nodes: always +-1/sqrt 2
+    torch.testing.assert_close(adv[3], group_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]), torch.zeros(4, dtype=torch.long),
+                                                        eps=1e-8, ddof=1))
+    # an invalid leaf is left out of its ancestors' means and gets advantage 0
+    r2, ok2 = fuse_rewards(parent, torch.tensor([1.0, float("nan"), 3.0, 5.0]), torch.tensor([True, False, True, True]))
+    assert r2[1].tolist() == [1.0, 4.0] and not bool(ok2[3][1])
+    assert depthwise_advantages(r2, ok2, tree)[3][1] == 0
+    # path-probability weighting: equal log-probs = the mean; a dominant child takes over its parent
+    lp = [torch.zeros(0), torch.zeros(2), torch.zeros(4), torch.zeros(4)]
+    assert fuse_rewards(parent, torch.tensor([1.0, 2.0, 3.0, 5.0]), log_probs=lp, weighting="path_prob")[0][1].tolist() == [1.5, 4.0]
+    lp[2] = torch.tensor([50.0, 0.0, 0.0, 0.0])
+    assert fuse_rewards(parent, torch.tensor([1.0, 2.0, 3.0, 5.0]), log_probs=lp, weighting="path_prob")[0][1][0] == pytest.approx(1.0)
+
+
+def test_pruning_cuts_218_edges_to_138_both_ways():
+    """The reference tree without a network: 20 steps, splits {0, 3, 6, 9}, structure from the counts."""
+    tree = TreeConfig(split_steps=[0, 3, 6, 9])
+    sizes = tree.frontier_sizes(20) + [16]
+    steps = torch.cat([torch.full((sizes[k + 1],), k) for k in range(20)])
+    child = torch.cat([torch.arange(sizes[k + 1]) for k in range(20)])
+    edges = {"step": steps, "child": child, "tree": torch.zeros_like(steps)}
+    assert steps.numel() == 218
+    adv = torch.randn(218)
+    adv[steps > 9] = torch.randn(16)[child[steps > 9]]  # chains below the last split share their leaf's advantage
+    depth = prune_edges(edges, adv, tree.split_steps, 20, depths=[16, 17, 18, 19, 20])
+    chain = prune_edges(edges, adv, tree.split_steps, 20, width_ratio=0.5, width_mode="chain", chain_id=child)
+    extremes = prune_edges(edges, adv, tree.split_steps, 20, width_ratio=0.5, width_mode="extremes")
+    assert int(depth.sum()) == int(chain.sum()) == int(extremes.sum()) == 138
+    assert torch.equal(depth, chain)  # under mean fusion chain ties keep the shallow half: the same edges
+    kept_last = adv[(steps > 9) & extremes]
+    assert kept_last.numel() == 80 and kept_last.min() <= adv[steps > 9].quantile(0.25) + 1e-6
+    with pytest.raises(ValueError, match="no edge to train"):
+        prune_edges(edges, adv, tree.split_steps, 20, depths=list(range(1, 21)))
+
+
+def test_single_split_at_step_zero_is_flat_grpo(gen):
+    """Split once at step 0 into K children (kappa 1): the depth-wise advantages and the loss over all edges equal
+    flat GRPO's group advantages (ddof 1, eps 1e-8) and clipped loss on the same K trajectories."""
+    k_children = 4
+    config = RolloutConfig(num_steps=4, kernel="dance_grpo", noise_level=0.3, micro_batch_size=4, skip_last_step=False)
+    tree = TreeConfig(split_steps=[0], branch_factor=k_children)
+    ro = tree_rollout(gen, PROMPTS[:1], SHAPE, seed=1, config=config, tree=tree)
+    rewards = torch.tensor([0.3, 0.9, 0.1, 0.5])
+    fused, ok = fuse_rewards(ro.parent, rewards)
+    adv_nodes = depthwise_advantages(fused, ok, ro.tree)
+    edges = ro.edges()
+    adv_edges = torch.cat([adv_nodes[k + 1] for k in range(4)])
+    flat_adv = group_advantages(rewards, torch.zeros(4, dtype=torch.long), std="group", eps=1e-8, ddof=1)
+    for k in range(1, 5):
+        torch.testing.assert_close(adv_nodes[k], flat_adv, atol=0, rtol=0)
+    # flat view of the same four trajectories
+    states = [ro.latents[0][torch.zeros(4, dtype=torch.long)]] + [ro.latents[k] for k in range(1, 5)]
+    traj = Trajectory(latents=torch.stack(states, dim=1), sigmas=ro.sigmas, sde_mask=torch.ones(4, dtype=torch.bool),
+                      log_probs=torch.stack(ro.log_probs[1:], dim=1), noises=torch.zeros(4, 4, *SHAPE),
+                      final=ro.leaves, seed=1, indices=torch.arange(4), prompts=PROMPTS[:1] * 4, config=config)
+    flat_losses, tree_losses = [], []
+    for k in range(4):
+        lp_flat, _, _ = transition_log_prob(gen, traj, k)
+        flat_losses.append(clipped_policy_loss(lp_flat, traj.log_probs[:, k], flat_adv, clip_range=1e-3)[0])
+        lp_tree, _ = edge_log_prob(gen, ro, k, torch.arange(4))
+        sel = edges["step"] == k
+        tree_losses.append(clipped_policy_loss(lp_tree, ro.log_probs[k + 1], adv_edges[sel], clip_range=1e-3)[0])
+    assert torch.equal(torch.cat(flat_losses), torch.cat(tree_losses))
