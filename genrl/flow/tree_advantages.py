@@ -8,6 +8,7 @@ k + 1 is the transition of step k; it gets that child's advantage.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -131,7 +132,7 @@ def prune_edges(
             members = torch.nonzero(last & (groups == g)).flatten()
             order = members[torch.argsort(step[members], stable=True)]  # shallow first
             a = advantages[order]
-            n_keep = int(round(len(order) * (1 - width_ratio)))
+            n_keep = math.ceil(len(order) * (1 - width_ratio) - 1e-9)  # keep at least one edge of a group
             if width_mode == "chain":
                 ranked = order[torch.argsort(-a, stable=True)]
                 drop = ranked[n_keep:]
