@@ -57,6 +57,12 @@ def test_pruning_trains_fewer_edges_and_bad_input(tmp_path, monkeypatch, tiny_po
     # 5 steps, splits {0, 2}: 2 + 2 + 4 + 4 + 4 = 16 edges per tree; depth 1 = the 2 root edges per tree; width:
     # the 4 chains after the last split have 2 edges each (steps 3, 4), half of each chain kept: 4 per tree dropped
     assert float(m["tree/edges"]) == 32 and float(m["tree/edges_trained"]) == 32 - 4 - 8
+    # pruning acts on the gradient step only: the same iteration without pruning sampled the same trees and rewards
+    plain = _fit(tiny_policy, tiny_text_encoder, ["--trainer.max_steps=1", "--model.init_args.rollout.num_steps=5"])
+    p = plain.trainer.logged_metrics
+    assert float(p["tree/edges_trained"]) == 32
+    for key in ("reward/total", "reward/shapes/reward", "reward/colorfulness/reward", "tree/denoiser_evals"):
+        assert float(p[key]) == float(m[key]), key
     with pytest.raises(ValueError, match="outside the schedule"):
         _fit(tiny_policy, tiny_text_encoder, ["--model.init_args.tree.split_steps=[0,7]"], run=False)
     with pytest.raises(ValueError, match="no edge to train"):
