@@ -24,11 +24,11 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss
 from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
+from genrl.methods.common import build_policy, build_reward_manager, policy_optimizer
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
-from genrl.models.generator import DiTGenerator
 from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM, TextEncoder
+from genrl.models.text_encoder import MINILM
 from genrl.rollout.noise import mix_seed
 from genrl.rollout.sampler import RolloutConfig, _encode, rollout
 from genrl.rollout.tree import TreeConfig, edge_log_prob, tree_rollout
@@ -117,35 +117,19 @@ class BranchGRPO(LightningModule):
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        if self.generator_spec is not None:
-            from genrl.models.families import build_generator
-
-            generator = build_generator(self.generator_spec)
-        else:
-            encoder = TextEncoder.from_pretrained(self.hparams.text_encoder, max_length=self.hparams.max_text_length)
-            generator = DiTGenerator(self.transformer_spec.build(), encoder)
+        generator = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
+                                 self.hparams.max_text_length, self.hparams.lora)
         if self.latent_shape is None:
             self.latent_shape = tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
-        if self.hparams.lora is not None:
-            spec = self.hparams.lora
-            (spec if isinstance(spec, LoraSpec) else LoraSpec(**spec)).add_to(generator)
-        generator.transformer.train()
         self.generator = generator
 
     def setup(self, stage: str) -> None:
         self.configure_model()
         if self.rewards is None:
-            from genrl.rewards import RewardManager
-
-            world = getattr(getattr(self._trainer, "datamodule", None), "world", None) if self._trainer else None
-            self.rewards = RewardManager(self._reward_specs, combine=self.hparams.reward_combine)
-            self.rewards.build({"world": world} if world is not None else {})
+            self.rewards = build_reward_manager(self._reward_specs, self.hparams.reward_combine, self._trainer)
 
     def configure_optimizers(self):
-        params = [p for p in self.generator.transformer.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("no trainable parameters in the policy; check the lora / transformer config")
-        return self.optimizer_factory(params)
+        return policy_optimizer(self.generator, self.optimizer_factory)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.rewards is not None:

@@ -1,0 +1,57 @@
+"""Construction shared by the RL methods (composition: plain functions, no shared base class)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+
+def build_policy(generator_spec, transformer_spec, text_encoder: str, max_text_length: int, lora=None):
+    """The policy generator of a method: a diffusers family (``generator_spec``, a
+    :class:`~genrl.models.families.GeneratorSpec`) or genrl's DiT (``transformer_spec`` + a text encoder), with
+    the LoRA adapter (:class:`~genrl.methods.grpo.LoraSpec` or its dict) added when given; transformer in train
+    mode.
+
+    Raises:
+        FileNotFoundError, ValueError: from the loaders (missing weights, bad specs).
+    """
+    from genrl.methods.grpo import LoraSpec
+    from genrl.models.generator import DiTGenerator
+    from genrl.models.text_encoder import TextEncoder
+
+    if generator_spec is not None:
+        from genrl.models.families import build_generator
+
+        generator = build_generator(generator_spec)
+    else:
+        encoder = TextEncoder.from_pretrained(text_encoder, max_length=max_text_length)
+        generator = DiTGenerator(transformer_spec.build(), encoder)
+    if lora is not None:
+        (lora if isinstance(lora, LoraSpec) else LoraSpec(**lora)).add_to(generator)
+    generator.transformer.train()  # from_pretrained returns eval mode
+    return generator
+
+
+def build_reward_manager(specs: list[dict[str, Any]], combine: str, trainer=None):
+    """A built :class:`~genrl.rewards.RewardManager` for ``specs``; the datamodule's shapes world (when the
+    trainer has a datamodule with one) is passed to rewards that take it."""
+    from genrl.rewards import RewardManager
+
+    world = getattr(getattr(trainer, "datamodule", None), "world", None) if trainer is not None else None
+    manager = RewardManager(specs, combine=combine)
+    manager.build({"world": world} if world is not None else {})
+    return manager
+
+
+def policy_optimizer(generator, factory):
+    """``factory(trainable parameters of generator.transformer)``.
+
+    Raises:
+        ValueError: nothing is trainable (a frozen transformer without LoRA).
+    """
+    params = [p for p in generator.transformer.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters in the policy; check the lora / transformer config")
+    return factory(params)
+
+
