@@ -39,8 +39,16 @@ def test_every_config_parses(path, tmp_path, monkeypatch):
     assert cli.model is not None and cli.datamodule is not None
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
-def test_family_config_trains_on_tiny_components(family, tmp_path, monkeypatch):
+BRANCH_CONFIGS = {
+    "wan": "configs/branch_grpo/wan2.1_t2v_1.3b.yaml",
+    "sd3": "configs/branch_grpo/sd3.5_medium.yaml",
+    "flux": "configs/branch_grpo/flux.1_dev.yaml",
+}
+
+
+@pytest.mark.parametrize("method,family", [("grpo", f) for f in sorted(FAMILY_CONFIGS)]
+                         + [("branch_grpo", f) for f in sorted(BRANCH_CONFIGS)])
+def test_family_config_trains_on_tiny_components(method, family, tmp_path, monkeypatch):
     from genrl.models.families.tiny import TINY, TINY_SIZE
 
     monkeypatch.chdir(tmp_path)
@@ -55,12 +63,17 @@ def test_family_config_trains_on_tiny_components(family, tmp_path, monkeypatch):
                           "prompt_cache_dir": str(tmp_path / "cache")},
             "rollout": {"num_steps": 3, "num_sde_steps": 2, "micro_batch_size": 2},
             "mini_batch_size": 2, "lora": {"rank": 4},
+            **({"tree": {"split_steps": [0, 1], "max_frontier": 16}, "rollout": {"num_steps": 3, "micro_batch_size": 2}}
+               if method == "branch_grpo" else {}),
             "rewards": [{"name": "colorfulness"}],  # the configs' real rewards need weights / readable text
         }},
         "data": {"init_args": {"group_size": 2, "prompts_per_batch": 1}},
     }
+    if method == "branch_grpo":
+        del override["model"]["init_args"]["mini_batch_size"]  # BranchGRPO steps per edges_per_step
     (tmp_path / "tiny.yaml").write_text(json.dumps(override))  # JSON is YAML
-    args = ["--config", str(ROOT / FAMILY_CONFIGS[family]), "--config", str(tmp_path / "tiny.yaml")]
+    config = (FAMILY_CONFIGS if method == "grpo" else BRANCH_CONFIGS)[family]
+    args = ["--config", str(ROOT / config), "--config", str(tmp_path / "tiny.yaml")]
     cli = _cli(args, run=False)
     cli.model.configure_model()
     before = {n: p.detach().clone() for n, p in cli.model.generator.transformer.named_parameters() if p.requires_grad}
