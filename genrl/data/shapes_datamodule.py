@@ -36,6 +36,7 @@ DataModule's hook; this DataModule calls the module's hook itself, so behaviour 
 
 from __future__ import annotations
 
+import abc
 from dataclasses import asdict
 from typing import Any
 
@@ -190,7 +191,7 @@ class ShapesTrainLoader(DataLoader):
 
 
 
-class ResumableStreamDataModule(LightningDataModule):
+class ResumableStreamDataModule(LightningDataModule, metaclass=abc.ABCMeta):
     """Shared plumbing of DataModules whose training data is an infinite stream of batches that resumes exactly.
 
     A subclass implements :meth:`make_train_loader`; this class builds it for the Trainer's rank, continues
@@ -206,11 +207,11 @@ class ResumableStreamDataModule(LightningDataModule):
         self._loader_trainer: Any = None  # the Trainer the current train loader was built for
         self._resume_from: int | None = None  # set by load_state_dict
 
+    @abc.abstractmethod
     def make_train_loader(
         self, rank: int = 0, world_size: int = 1, start: int = 0, track_delivery: bool = False
     ) -> ShapesTrainLoader:
         """A stateful train loader for ``rank`` of ``world_size`` that starts at local batch ``start``."""
-        raise NotImplementedError(f"{type(self).__name__} must implement make_train_loader")
 
     def train_dataloader(self) -> ShapesTrainLoader:
         """The stateful infinite training loader (this rank's share of every global batch)."""

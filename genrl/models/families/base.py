@@ -16,6 +16,7 @@ parts follow the transformer's device lazily and are never in a Lightning checkp
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import importlib
 import json
@@ -120,11 +121,11 @@ def set_attention_backend(model: nn.Module, backend: str | None) -> str:
     return "sdpa" if name == "native" else name
 
 
-class DiffusersGenerator(nn.Module):
+class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
     """Base of the diffusers family adapters (Generator protocol over a pipeline's components).
 
-    Subclasses set the class attributes and implement ``_encode_uncached``, ``velocity``, ``decode``,
-    ``encode`` and ``latent_shape``.
+    Subclasses set the class attributes and implement the abstract ``_encode_uncached``, ``velocity``,
+    ``decode``, ``encode`` and ``latent_shape``.
 
     Args:
         pipeline: a diffusers pipeline of the family (its transformer becomes this module's child).
@@ -305,9 +306,9 @@ class DiffusersGenerator(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     @property
+    @abc.abstractmethod
     def latent_shape(self) -> tuple[int, ...]:
         """Per-sample latent shape in the family's native layout (what the sampler draws noise for)."""
-        raise NotImplementedError
 
     def _frozen_to_device(self, names: tuple[str, ...]) -> None:
         device = self.device
@@ -360,9 +361,21 @@ class DiffusersGenerator(nn.Module):
         pooled = torch.stack([it["pooled"] for it in items]).to(device, dtype) if "pooled" in items[0] else None
         return Conditioning(hidden, mask.bool(), list(prompts), pooled)
 
+    @abc.abstractmethod
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """``{"hidden_states": [B, L, D], "attention_mask": [B, L], optional "pooled": [B, P]}``."""
-        raise NotImplementedError
+
+    @abc.abstractmethod
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, **kwargs) -> torch.Tensor:
+        """Velocity ``eps - x0`` at latents x [B, *latent_shape] and sigma [B] (or per frame [B, T]) in [0, 1]."""
+
+    @abc.abstractmethod
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents [B, *latent_shape] -> pixels float32 [B, T, 3, H, W] in [0, 1]."""
+
+    @abc.abstractmethod
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, T, 3, H, W] in [0, 1] -> normalised latents [B, *latent_shape]."""
 
     def _check_x(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> None:
         if tuple(x.shape[1:]) != tuple(self.latent_shape):
