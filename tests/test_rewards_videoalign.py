@@ -257,3 +257,14 @@ def test_missing_base_model_argument_and_path(tiny, tmp_path):
         build_reward("videoalign", path=tiny, base_model=str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="not a folder"):
         build_reward("videoalign", path=str(tmp_path / "nowhere"))
+
+
+def test_encode_text_repeated_prompts_match_distinct_encoding(reward):
+    """A group of repeated prompts (GRPO) encodes each row exactly as the prompt alone, in the input order."""
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
+    ids, mask = reward.encode_text(prompts, 5)
+    for i, p in enumerate(prompts):
+        one_ids, one_mask = reward.encode_text([p], 5)
+        n = one_ids.shape[1]
+        assert torch.equal(ids[i, :n], one_ids[0]) and torch.equal(mask[i, :n], one_mask[0])
+        assert not mask[i, n:].any()

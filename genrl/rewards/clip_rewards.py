@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from genrl.rewards.image import FramePolicy, ImageRewardModel
+from genrl.rewards.image_reward import ImageRewardHead
 from genrl.rewards.preprocess import CLIP_MEAN, CLIP_STD, clip_preprocess
 from genrl.rewards.registry import register_reward
 
@@ -154,14 +155,21 @@ def _freeze(module: nn.Module) -> nn.Module:
 
 
 class _FrozenImageReward(ImageRewardModel):
-    """Shared plumbing: frozen sub-networks kept in eval mode, device / dtype of the weights."""
+    """Shared plumbing: the weights folder checked before anything loads (:attr:`path`), frozen sub-networks
+    kept in eval mode, device / dtype of the weights.
+
+    Raises:
+        FileNotFoundError: ``path`` missing or lacking a file of :attr:`weight_files` (checked first).
+    """
 
     differentiable: ClassVar[bool] = True
     _frozen: tuple[str, ...] = ()
 
-    def __init__(self, scale: float = 1.0, shift: float = 0.0, frames: FramePolicy | dict | None = None,
-                 max_batch: int = 32) -> None:
+    def __init__(self, path: str | Path | None, scale: float = 1.0, shift: float = 0.0,
+                 frames: FramePolicy | dict | None = None, max_batch: int = 32) -> None:
+        folder = type(self).require_weights(path)
         super().__init__(scale=scale, shift=shift, frames=frames, max_batch=max_batch)
+        self.path = str(folder)
 
     def train(self, mode: bool = True) -> _FrozenImageReward:
         super().train(mode)
@@ -171,6 +179,9 @@ class _FrozenImageReward(ImageRewardModel):
 
     def _param(self) -> Tensor:
         return next(getattr(self, self._frozen[0]).parameters())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, path={self.path!r}"
 
 
 class _HFClipReward(_FrozenImageReward):
@@ -186,11 +197,10 @@ class _HFClipReward(_FrozenImageReward):
     def __init__(self, path: str | Path | None = None, scale: float = 1.0, shift: float = 0.0,
                  frames: FramePolicy | dict | None = None, max_batch: int = 32,
                  dtype: str | torch.dtype = "float32") -> None:
-        folder = type(self).require_weights(path)
-        super().__init__(scale=scale, shift=shift, frames=frames, max_batch=max_batch)
+        super().__init__(path, scale=scale, shift=shift, frames=frames, max_batch=max_batch)
+        folder = Path(self.path)
         from transformers import CLIPModel, CLIPTokenizer
 
-        self.path = str(folder)
         self.clip = _freeze(CLIPModel.from_pretrained(folder, local_files_only=True, dtype=_as_dtype(dtype)))
         self.tokenizer = CLIPTokenizer.from_pretrained(folder, local_files_only=True)
         self.image_size = int(self.clip.config.vision_config.image_size)
@@ -217,9 +227,6 @@ class _HFClipReward(_FrozenImageReward):
         folder = Path(folder)
         _write_tiny_hf_clip(folder, seed)
         return folder
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, path={self.path!r}"
 
 
 @register_reward("clipscore")
@@ -292,26 +299,17 @@ class PickScoreReward(_HFClipReward):
         return {"reward": self.clip.logit_scale.detach().float().exp().to(cos.device) * cos, "cosine": cos}
 
 
-class AestheticMLP(nn.Module):
+class AestheticMLP(ImageRewardHead):
     """The LAION improved aesthetic predictor head: ``input_size``-1024-128-64-16-1 linear layers with dropout
-    (0.2, 0.2, 0.1) after the first three and no activations. The state-dict keys (``layers.0``, ``layers.2``,
+    (0.2, 0.2, 0.1) after the first three and no activations (the same architecture as ImageReward's head,
+    :class:`~genrl.rewards.image_reward.ImageRewardHead`). The state-dict keys (``layers.0``, ``layers.2``,
     ``layers.4``, ``layers.6``, ``layers.7``) are those of the published ``sac+logos+ava1-l14-linearMSE.pth``,
-    which loads with ``strict=True`` (``input_size=768``, CLIP ViT-L/14)."""
+    which loads with ``strict=True`` (``input_size=768``, CLIP ViT-L/14). Maps float [N, input_size] ->
+    float [N, 1]."""
 
     def __init__(self, input_size: int = 768) -> None:
-        super().__init__()
+        super().__init__((int(input_size), 1024, 128, 64, 16))
         self.input_size = int(input_size)
-        self.layers = nn.Sequential(
-            nn.Linear(self.input_size, 1024), nn.Dropout(0.2),
-            nn.Linear(1024, 128), nn.Dropout(0.2),
-            nn.Linear(128, 64), nn.Dropout(0.1),
-            nn.Linear(64, 16),
-            nn.Linear(16, 1),
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        """[N, input_size] -> [N, 1]."""
-        return self.layers(x)
 
 
 @register_reward("aesthetic")
@@ -352,11 +350,10 @@ class AestheticReward(_FrozenImageReward):
     def __init__(self, path: str | Path | None = None, scale: float = 1.0, shift: float = 0.0,
                  frames: FramePolicy | dict | None = None, max_batch: int = 32,
                  dtype: str | torch.dtype = "float32") -> None:
-        folder = type(self).require_weights(path)
-        super().__init__(scale=scale, shift=shift, frames=frames, max_batch=max_batch)
+        super().__init__(path, scale=scale, shift=shift, frames=frames, max_batch=max_batch)
+        folder = Path(self.path)
         from transformers import CLIPModel, CLIPVisionModelWithProjection
 
-        self.path = str(folder)
         clip_dir = folder / "clip"
         model_type = json.loads((clip_dir / "config.json").read_text()).get("model_type", "clip")
         if model_type == "clip":
@@ -407,9 +404,6 @@ class AestheticReward(_FrozenImageReward):
             mlp = AestheticMLP(16)
         torch.save(mlp.state_dict(), folder / AESTHETIC_HEAD_FILE)
         return folder
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, path={self.path!r}"
 
 
 def _import_open_clip():
@@ -481,10 +475,9 @@ class HPSv2Reward(_FrozenImageReward):
     def __init__(self, path: str | Path | None = None, arch: str | dict | None = None, scale: float = 1.0,
                  shift: float = 0.0, frames: FramePolicy | dict | None = None, max_batch: int = 32,
                  dtype: str | torch.dtype = "float32", weights_only: bool = True) -> None:
-        folder = type(self).require_weights(path)
-        super().__init__(scale=scale, shift=shift, frames=frames, max_batch=max_batch)
+        super().__init__(path, scale=scale, shift=shift, frames=frames, max_batch=max_batch)
+        folder = Path(self.path)
         open_clip = _import_open_clip()
-        self.path = str(folder)
         if arch is None:
             cfg_file = folder / OPEN_CLIP_CONFIG_FILE
             arch = json.loads(cfg_file.read_text()) if cfg_file.is_file() else "ViT-H-14"
@@ -547,4 +540,4 @@ class HPSv2Reward(_FrozenImageReward):
         return folder
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, path={self.path!r}, arch={self.arch!r}"
+        return f"{super().extra_repr()}, arch={self.arch!r}"

@@ -73,6 +73,7 @@ from genrl.rewards.base import RewardModel
 from genrl.rewards.registry import RewardSpec, get_reward_class
 
 __all__ = [
+    "slice_meta",
     "RewardManager",
     "RewardResult",
     "as_reward_spec",
@@ -364,6 +365,20 @@ class _Welford:
         return {"count": self.count, "mean": self.mean, "m2": self.m2}
 
 
+def slice_meta(meta: Mapping[str, Any], n: int, lo: int, hi: int) -> dict[str, Any]:
+    """Rows ``lo:hi`` of the per-sample entries of a reward's ``meta`` (a length-``n`` list / tuple, or a tensor
+    whose first dim is ``n``); other values (scalars, shared settings) are passed unchanged."""
+    out = {}
+    for key, value in meta.items():
+        if isinstance(value, Tensor) and value.ndim > 0 and value.shape[0] == n:
+            out[key] = value[lo:hi]
+        elif isinstance(value, (list, tuple)) and len(value) == n:
+            out[key] = value[lo:hi]
+        else:
+            out[key] = value
+    return out
+
+
 class RewardManager:
     """The reward models of a method, scored in chunks and combined into one training signal.
 
@@ -530,18 +545,6 @@ class RewardManager:
             return t.device
         return None
 
-    @staticmethod
-    def _slice_meta(meta: Mapping[str, Any], n: int, lo: int, hi: int) -> dict[str, Any]:
-        out = {}
-        for key, value in meta.items():
-            if isinstance(value, Tensor) and value.ndim > 0 and value.shape[0] == n:
-                out[key] = value[lo:hi]
-            elif isinstance(value, (list, tuple)) and len(value) == n:
-                out[key] = value[lo:hi]
-            else:
-                out[key] = value
-        return out
-
     def _score_one(
         self, name: str, model: RewardModel, pixels: Tensor, prompts: list[str], meta: Mapping[str, Any]
     ) -> tuple[dict[str, Tensor], Tensor, int]:
@@ -557,7 +560,7 @@ class RewardManager:
                 x = x.to(device)
             try:
                 with torch.no_grad():
-                    out = model(x, prompts[lo:hi], **self._slice_meta(meta, n, lo, hi))
+                    out = model(x, prompts[lo:hi], **slice_meta(meta, n, lo, hi))
                 if not isinstance(out, Mapping) or "reward" not in out:
                     raise RuntimeError(f"returned {type(out).__name__} without a 'reward' key")
                 out = {k: v.detach().cpu() for k, v in out.items()}

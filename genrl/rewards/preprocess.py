@@ -39,6 +39,11 @@ def resize_shortest_side(images: Tensor, size: int, interpolation: str = "bicubi
     Like PIL's resampler it works in two separable passes, width first, and clips to [0, 1] after each (so
     bicubic overshoot is cut where PIL cuts it); with ``antialias`` torch's kernel is PIL's bicubic (a = -0.5)
     with PIL's support scaling when shrinking. Differentiable (except at clipped pixels).
+
+    Returns:
+        same dtype [N, 3, H', W'] in [0, 1], min(H', W') == ``size``.
+    Raises:
+        ValueError: not float [N, 3, H, W].
     """
     _check(images)
     h, w = images.shape[-2:]
@@ -56,7 +61,11 @@ def resize_shortest_side(images: Tensor, size: int, interpolation: str = "bicubi
 
 
 def center_crop(images: Tensor, size: int | tuple[int, int]) -> Tensor:
-    """Centre crop [N, C, H, W] to ``size`` (int or (h, w)); the offsets round like torchvision's."""
+    """Centre crop [N, C, H, W] to ``size`` (int or (h, w)); the offsets round like torchvision's.
+
+    Raises:
+        ValueError: ``size`` larger than the images.
+    """
     th, tw = (size, size) if isinstance(size, int) else size
     h, w = images.shape[-2:]
     if th > h or tw > w:

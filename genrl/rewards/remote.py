@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from genrl.rewards.base import RewardModel
+from genrl.rewards.manager import slice_meta
 from genrl.rewards.registry import register_reward
 
 __all__ = [
@@ -170,14 +171,6 @@ def decode_score_request(body: bytes) -> tuple[Tensor, list[str], dict[str, Any]
     if not isinstance(meta, dict):
         raise ValueError(f"'meta' must be a JSON object, got {type(meta).__name__}")
     return frames, prompts, meta
-
-
-def _per_sample(value: Any, b: int) -> bool:
-    """Whether a meta value is per-sample (sliced with the batch): a list / tuple of length B or a tensor whose
-    first dimension is B (the RewardManager's rule)."""
-    if isinstance(value, Tensor):
-        return value.ndim > 0 and value.shape[0] == b
-    return isinstance(value, (list, tuple)) and len(value) == b
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -385,7 +378,7 @@ class RemoteReward(RewardModel):
         sliced = []
         for lo in range(0, b, step):  # encode first: a bad meta value is the caller's error and raises
             hi = min(b, lo + step)
-            sub = {k: (v[lo:hi] if _per_sample(v, b) else v) for k, v in meta.items()}
+            sub = slice_meta(meta, b, lo, hi)  # per-sample values: length-B lists / tensors
             sliced.append((lo, hi, encode_score_request(frames[lo:hi], prompts[lo:hi], sub)))
         ok = self._ensure_info()
         out = {k: torch.full((b,), float("nan")) for k in self.dimensions}

@@ -53,7 +53,8 @@ import torch
 from torch import Tensor
 
 from genrl.rewards.base import RewardModel
-from genrl.rewards.remote import PROTOCOL, _per_sample, decode_score_request
+from genrl.rewards.manager import slice_meta
+from genrl.rewards.remote import PROTOCOL, decode_score_request
 
 __all__ = ["RewardServer", "RewardService", "build_service", "check_host", "main", "weights_sha256"]
 
@@ -176,7 +177,7 @@ class RewardService:
             for lo in range(0, b, self.batch_size):
                 hi = min(b, lo + self.batch_size)
                 x = frames[lo:hi].to(self.device).float() / 255
-                sub = {k: (v[lo:hi] if _per_sample(v, b) else v) for k, v in meta.items()}
+                sub = slice_meta(meta, b, lo, hi)
                 try:
                     out = self.reward(x, prompts[lo:hi], **sub)
                 except (TypeError, ValueError) as exc:

@@ -508,6 +508,7 @@ class VideoAlignReward(RewardModel):
         self.stats = {d: (m, s) for d, m, s in zip(_DIMS, means, stds)}
         self.register_buffer("_mean", torch.tensor(means, dtype=torch.float32), persistent=False)
         self.register_buffer("_std", torch.tensor(stds, dtype=torch.float32), persistent=False)
+        self.register_buffer("_weights", torch.tensor(self.weights, dtype=torch.float32), persistent=False)
 
         # ---- model
         dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -735,8 +736,8 @@ class VideoAlignReward(RewardModel):
         Raises:
             ValueError: a prompt that itself contains a reward token or a video placeholder.
         """
-        rows = []
-        for p in prompts:
+        expanded: dict[str, list[int]] = {}
+        for p in dict.fromkeys(prompts):  # each distinct prompt is templated and tokenised once
             conv = [{"role": "user", "content": [{"type": "video"},
                                                  {"type": "text", "text": build_prompt(p, self.template_type)}]}]
             text = self.processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
@@ -746,7 +747,8 @@ class VideoAlignReward(RewardModel):
                 raise ValueError(f"videoalign: the prompt {p!r} must not contain <|video_pad|> or reward tokens "
                                  f"(token counts {counts})")
             k = ids.index(self.video_token_id)
-            rows.append(ids[:k] + [self.video_token_id] * n_video_tokens + ids[k + 1:])
+            expanded[p] = ids[:k] + [self.video_token_id] * n_video_tokens + ids[k + 1:]
+        rows = [expanded[p] for p in prompts]
         length = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), length), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), length), dtype=torch.long)
@@ -801,7 +803,7 @@ class VideoAlignReward(RewardModel):
             for rows, value in parts:
                 raw = raw.index_put((torch.tensor(rows, device=pixels.device),), value)
         z = (raw - self._mean.to(raw.device)) / self._std.to(raw.device)
-        w = torch.tensor(self.weights, dtype=z.dtype, device=z.device)
+        w = self._weights.to(device=z.device, dtype=z.dtype)
         out = {"reward": (z * w).sum(dim=1)}
         out.update({d: z[:, i] for i, d in enumerate(_DIMS)})
         return out
