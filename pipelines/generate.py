@@ -65,21 +65,27 @@ def vbench_name(prompt: str, k: int, ext: str = "mp4") -> str:
     return name
 
 
-def _write_png(path: Path, pixels: torch.Tensor) -> None:
-    """[3, H, W] in [0, 1] -> png, atomically (temporary file in the folder, then os.replace)."""
-    from PIL import Image
-
-    array = (pixels.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+def _atomic_write(path: Path, write) -> None:
+    """Write ``path`` atomically: ``write(tmp)`` fills a temporary file in the same folder, which then gets mode
+    0644 and replaces ``path`` (os.replace); the temporary file is removed when anything fails."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        Image.fromarray(array).save(tmp, format="PNG")
+        write(tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _write_png(path: Path, pixels: torch.Tensor) -> None:
+    """[3, H, W] in [0, 1] -> png, atomically (:func:`_atomic_write`)."""
+    from PIL import Image
+
+    array = (pixels.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    _atomic_write(path, lambda tmp: Image.fromarray(array).save(tmp, format="PNG"))
 
 
 def _read_manifest(path: Path) -> dict[str, dict]:
@@ -99,12 +105,12 @@ def _read_manifest(path: Path) -> dict[str, dict]:
 
 
 def _write_manifest(out: Path, records: list[dict]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".manifest.jsonl.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, out / "manifest.jsonl")
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+    _atomic_write(out / "manifest.jsonl", write)
 
 
 def _parser() -> argparse.ArgumentParser:

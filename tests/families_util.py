@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -14,6 +15,27 @@ def save_tiny_pipeline(family: str, folder: Path, seed: int = 0) -> Path:
 
     gen = family_class(family).from_config(TINY[family], seed=seed, **TINY_SIZE[family])
     return gen.save_pretrained(folder)
+
+
+def tiny_pipeline_fixture(family: str):
+    """A module-scoped fixture: the folder of the tiny ``family`` pipeline saved by :func:`save_tiny_pipeline`.
+    Assign it in a test module as ``<family>_folder = tiny_pipeline_fixture("<family>")``."""
+
+    @pytest.fixture(scope="module", name=f"{family}_folder")
+    def folder(tmp_path_factory):
+        return save_tiny_pipeline(family, tmp_path_factory.mktemp(family) / "pipe")
+
+    return folder
+
+
+def pipeline_with_lora(pipeline_class, folder: Path, generator, lora_dir: Path):
+    """``pipeline_class`` (a diffusers pipeline) loaded offline from ``folder``, with ``generator``'s LoRA adapter
+    saved in the diffusers LoRA format to ``lora_dir`` and loaded by ``load_lora_weights``."""
+    saved = generator.save_lora(lora_dir)
+    assert (saved / "pytorch_lora_weights.safetensors").is_file()
+    pipe = pipeline_class.from_pretrained(str(folder), local_files_only=True)
+    pipe.load_lora_weights(str(saved))
+    return pipe
 
 
 def grpo_two_steps(family: str, folder: Path, lora: dict | None = None, kernel: str = "flow_grpo",

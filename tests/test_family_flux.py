@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from families_util import grpo_two_steps, save_tiny_pipeline
+from families_util import grpo_two_steps, pipeline_with_lora, tiny_pipeline_fixture
 from genrl.flow import sigma_schedule
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.families.tiny import TINY, TINY_SIZE
@@ -16,9 +16,7 @@ from genrl.rollout.sampler import RolloutConfig, rollout
 PROMPTS = ["a red circle moving left", "a blue square staying still"]
 
 
-@pytest.fixture(scope="module")
-def flux_folder(tmp_path_factory):
-    return save_tiny_pipeline("flux", tmp_path_factory.mktemp("flux") / "pipe")
+flux_folder = tiny_pipeline_fixture("flux")
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +91,7 @@ def test_lora_round_trip_matches_the_diffusers_pipeline(flux_folder, lora_run, t
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
     gen = lora_run[0].generator
-    lora_dir = gen.save_lora(tmp_path / "lora")
-    assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
-
-    pipe = FluxPipeline.from_pretrained(str(flux_folder), local_files_only=True)
-    pipe.load_lora_weights(str(lora_dir))
+    pipe = pipeline_with_lora(FluxPipeline, flux_folder, gen, tmp_path / "lora")
     steps = 4
     cfg = pipe.scheduler.config
     mu = calculate_shift(gen.image_seq_len, cfg.base_image_seq_len, cfg.max_image_seq_len, cfg.base_shift,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from families_util import grpo_two_steps, save_tiny_pipeline
+from families_util import grpo_two_steps, pipeline_with_lora, tiny_pipeline_fixture
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.families.tiny import TINY, TINY_SIZE
 from genrl.rollout.noise import randn_per_sample
@@ -15,9 +15,7 @@ PROMPTS = ["a red circle moving left", "a blue square staying still"]
 SIZE = TINY_SIZE["sana"]
 
 
-@pytest.fixture(scope="module")
-def sana_folder(tmp_path_factory):
-    return save_tiny_pipeline("sana", tmp_path_factory.mktemp("sana") / "pipe")
+sana_folder = tiny_pipeline_fixture("sana")
 
 
 def _pipeline_latents(pipe, noise, steps, guidance_scale=1.0):
@@ -96,11 +94,7 @@ def test_lora_round_trip_matches_the_diffusers_pipeline(sana_folder, lora_run, t
 
     model, _, _ = lora_run
     gen = model.generator
-    lora_dir = gen.save_lora(tmp_path / "lora")
-    assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
-
-    pipe = SanaPipeline.from_pretrained(str(sana_folder), local_files_only=True)
-    pipe.load_lora_weights(str(lora_dir))
+    pipe = pipeline_with_lora(SanaPipeline, sana_folder, gen, tmp_path / "lora")
     steps = 4
     config = RolloutConfig(num_steps=steps, kernel="ode", schedule=_schedule(pipe, steps), micro_batch_size=2)
     gen.eval()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from families_util import grpo_two_steps, save_tiny_pipeline
+from families_util import grpo_two_steps, pipeline_with_lora, tiny_pipeline_fixture
 from genrl.models.families import GeneratorSpec, build_generator, family_class
 from genrl.models.families.tiny import TINY, TINY_SIZE
 from genrl.rollout.noise import randn_per_sample
@@ -15,9 +15,7 @@ from genrl.rollout.sampler import RolloutConfig, rollout
 PROMPTS = ["a red circle moving left", "a blue square staying still"]
 
 
-@pytest.fixture(scope="module")
-def sd3_folder(tmp_path_factory):
-    return save_tiny_pipeline("sd3", tmp_path_factory.mktemp("sd3") / "pipe")
+sd3_folder = tiny_pipeline_fixture("sd3")
 
 
 def test_reload_offline_is_identical_and_shapes(sd3_folder):
@@ -63,11 +61,7 @@ def test_lora_round_trip_matches_the_diffusers_pipeline(sd3_folder, tmp_path):
 
     model, _, _ = grpo_two_steps("sd3", sd3_folder, lora=dict(rank=4, alpha=8, init_lora_weights=True))
     gen = model.generator
-    lora_dir = gen.save_lora(tmp_path / "lora")
-    assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
-
-    pipe = StableDiffusion3Pipeline.from_pretrained(str(sd3_folder), local_files_only=True)
-    pipe.load_lora_weights(str(lora_dir))
+    pipe = pipeline_with_lora(StableDiffusion3Pipeline, sd3_folder, gen, tmp_path / "lora")
     pipe.set_progress_bar_config(disable=True)
     steps = 4
     pipe.scheduler.set_timesteps(steps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from families_util import grpo_two_steps, save_tiny_pipeline
+from families_util import grpo_two_steps, pipeline_with_lora, tiny_pipeline_fixture
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.families.tiny import TINY_SIZE
 from genrl.rollout.noise import randn_per_sample
@@ -14,9 +14,7 @@ from genrl.rollout.sampler import RolloutConfig, rollout
 PROMPTS = ["a red circle moving left", "a blue square staying still"]
 
 
-@pytest.fixture(scope="module")
-def wan_folder(tmp_path_factory):
-    return save_tiny_pipeline("wan", tmp_path_factory.mktemp("wan") / "pipe")
+wan_folder = tiny_pipeline_fixture("wan")
 
 
 def test_reload_offline_is_identical_and_shapes(wan_folder):
@@ -53,11 +51,7 @@ def test_lora_round_trip_matches_the_diffusers_pipeline(wan_folder, tmp_path):
 
     model, before, after = grpo_two_steps("wan", wan_folder, lora=dict(rank=4, alpha=8, init_lora_weights=True))
     gen = model.generator
-    lora_dir = gen.save_lora(tmp_path / "lora")
-    assert (lora_dir / "pytorch_lora_weights.safetensors").is_file()
-
-    pipe = WanPipeline.from_pretrained(str(wan_folder), local_files_only=True)
-    pipe.load_lora_weights(str(lora_dir))
+    pipe = pipeline_with_lora(WanPipeline, wan_folder, gen, tmp_path / "lora")
     steps = 4
     pipe.scheduler.set_timesteps(steps)
     schedule = pipe.scheduler.sigmas.tolist()

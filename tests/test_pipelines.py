@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from families_util import grpo_two_steps, save_tiny_pipeline
+from families_util import grpo_two_steps, save_tiny_pipeline, tiny_pipeline_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red circle moving left", "a blue square staying still"]
@@ -90,9 +90,7 @@ def test_vbench_names_are_sanitized_and_bounded():
     assert generate.vbench_name(long, 0) == "x" * 180 + "-0.mp4"
 
 
-@pytest.fixture(scope="module")
-def wan_folder(tmp_path_factory):
-    return save_tiny_pipeline("wan", tmp_path_factory.mktemp("wan") / "pipe")
+wan_folder = tiny_pipeline_fixture("wan")
 
 
 def test_generate_with_a_wan_pipeline_folder(wan_folder, tmp_path):

@@ -131,13 +131,11 @@ def prune_edges(
         for g in torch.unique(groups[last]):
             members = torch.nonzero(last & (groups == g)).flatten()
             order = members[torch.argsort(step[members], stable=True)]  # shallow first
-            a = advantages[order]
+            ranked = order[torch.argsort(-advantages[order], stable=True)]  # best first
             n_keep = math.ceil(len(order) * (1 - width_ratio) - 1e-9)  # keep at least one edge of a group
             if width_mode == "chain":
-                ranked = order[torch.argsort(-a, stable=True)]
                 drop = ranked[n_keep:]
             else:
-                ranked = order[torch.argsort(-a, stable=True)]
                 top = n_keep // 2
                 bottom = n_keep - top
                 drop = ranked[top : len(ranked) - bottom]

@@ -24,7 +24,8 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss
 from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
-from genrl.methods.common import build_policy, build_reward_manager, policy_optimizer
+from genrl.methods.common import (build_policy, ensure_reward_manager, policy_optimizer, restore_reward_state,
+                                  save_reward_state, stash_reward_state)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
 from genrl.models.spec import ModelSpec
@@ -125,18 +126,16 @@ class BranchGRPO(LightningModule):
 
     def setup(self, stage: str) -> None:
         self.configure_model()
-        if self.rewards is None:
-            self.rewards = build_reward_manager(self._reward_specs, self.hparams.reward_combine, self._trainer)
+        ensure_reward_manager(self)
 
     def configure_optimizers(self):
         return policy_optimizer(self.generator, self.optimizer_factory)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if self.rewards is not None:
-            checkpoint["genrl_reward_manager"] = self.rewards.state_dict()
+        save_reward_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._pending_reward_state = checkpoint.get("genrl_reward_manager")
+        stash_reward_state(self, checkpoint)
 
     # ------------------------------------------------------------------ the pieces
     def tree_advantages(self, ro, leaf_rewards: torch.Tensor, leaf_valid: torch.Tensor):
@@ -153,9 +152,7 @@ class BranchGRPO(LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        if getattr(self, "_pending_reward_state", None) is not None:
-            self.rewards.load_state_dict(self._pending_reward_state)
-            self._pending_reward_state = None
+        restore_reward_state(self)
         prompts, index = list(batch["prompts"]), batch["index"].cpu()
         gen, cfg, it, seed = self.generator, self.rollout_config, int(self.iteration), self.hparams.seed
 

@@ -43,6 +43,36 @@ def build_reward_manager(specs: list[dict[str, Any]], combine: str, trainer=None
     return manager
 
 
+#: checkpoint key of the reward manager's state (running normalisers etc.).
+REWARD_STATE_KEY = "genrl_reward_manager"
+
+
+def ensure_reward_manager(method) -> None:
+    """Build ``method.rewards`` from ``method._reward_specs`` / ``method.hparams.reward_combine`` once (a
+    method's ``setup``)."""
+    if method.rewards is None:
+        method.rewards = build_reward_manager(method._reward_specs, method.hparams.reward_combine, method._trainer)
+
+
+def save_reward_state(method, checkpoint: dict) -> None:
+    """``on_save_checkpoint``: store the reward manager's state (when built) under :data:`REWARD_STATE_KEY`."""
+    if method.rewards is not None:
+        checkpoint[REWARD_STATE_KEY] = method.rewards.state_dict()
+
+
+def stash_reward_state(method, checkpoint: dict) -> None:
+    """``on_load_checkpoint``: keep the reward manager's stored state until the manager exists (it is built in
+    ``setup``, which Lightning may call after the checkpoint is loaded)."""
+    method._pending_reward_state = checkpoint.get(REWARD_STATE_KEY)
+
+
+def restore_reward_state(method) -> None:
+    """Load a stashed reward-manager state into ``method.rewards`` once (start of ``training_step``)."""
+    if getattr(method, "_pending_reward_state", None) is not None:
+        method.rewards.load_state_dict(method._pending_reward_state)
+        method._pending_reward_state = None
+
+
 def policy_optimizer(generator, factory):
     """``factory(trainable parameters of generator.transformer)``.
 

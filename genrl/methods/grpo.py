@@ -26,7 +26,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss, gaussian_kl, group_advantages, group_stats, velocity_kl
-from genrl.methods.common import build_policy, build_reward_manager, policy_optimizer
+from genrl.methods.common import (build_policy, ensure_reward_manager, policy_optimizer, restore_reward_state,
+                                  save_reward_state, stash_reward_state)
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.spec import ModelSpec
@@ -176,18 +177,16 @@ class GRPO(LightningModule):
 
     def setup(self, stage: str) -> None:
         self.configure_model()
-        if self.rewards is None:
-            self.rewards = build_reward_manager(self._reward_specs, self.hparams.reward_combine, self._trainer)
+        ensure_reward_manager(self)
 
     def configure_optimizers(self):
         return policy_optimizer(self.generator, self.optimizer_factory)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if self.rewards is not None:
-            checkpoint["genrl_reward_manager"] = self.rewards.state_dict()
+        save_reward_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._pending_reward_state = checkpoint.get("genrl_reward_manager")
+        stash_reward_state(self, checkpoint)
 
     # ------------------------------------------------------------------ helpers
     def _reference_velocity(self, x, sigma, cond, uncond, cfg):
@@ -217,9 +216,7 @@ class GRPO(LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        if getattr(self, "_pending_reward_state", None) is not None:
-            self.rewards.load_state_dict(self._pending_reward_state)
-            self._pending_reward_state = None
+        restore_reward_state(self)
         prompts, index, group = list(batch["prompts"]), batch["index"].cpu(), batch["group"].cpu()
         cfg = self.rollout_config
         it = int(self.iteration)

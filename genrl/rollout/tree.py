@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genrl.flow.sde import sde_step, step_log_prob
+from genrl.flow.sde import StepOutput, sde_step, step_log_prob
 from genrl.rollout.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, _encode, guided_velocity
 
@@ -197,6 +197,29 @@ def _node_index(tree_index: torch.Tensor, codes: torch.Tensor) -> list[int]:
     return [mix_seed(int(t), int(c), 0x7E2) for t, c in zip(tree_index.tolist(), codes.tolist())]
 
 
+def _tree_step(config: RolloutConfig, tree: TreeConfig, k: int, stochastic: bool, x: torch.Tensor,
+               v: torch.Tensor, sig32: torch.Tensor, sigma_at_one: float | None, latent_shape: Sequence[int],
+               seed: int, tree_index: torch.Tensor, codes: torch.Tensor) -> tuple[StepOutput, float]:
+    """Step k of the nodes x [N, *latent] (velocities v, the parents' rows repeated per child) into their
+    children, whose noise is addressed by (seed, tree_index [N], codes [N], step k + 1); shared by
+    :func:`tree_rollout` and :func:`regenerate_leaf` so both draw and scale the noise alike.
+
+    Returns:
+        (the step's output, the std scale of its log-prob: kappa at split steps, 1 on other steps, on
+        deterministic steps and at split steps under ``reference_split_log_prob``).
+    """
+    if not stochastic:
+        return sde_step("ode", x, v, sig32[k], sig32[k + 1], None), 1.0
+    noise = randn_per_sample(latent_shape, seed, _node_index(tree_index, codes), step=k + 1, device=x.device)
+    split = k in tree.split_steps
+    scale = tree.split_noise_scale if split else 1.0
+    if split and tree.reference_split_log_prob:  # the reference code: sample with kappa s, score with s
+        return sde_step(config.kernel, x, v, sig32[k], sig32[k + 1], noise * scale, noise_level=config.noise_level,
+                        sigma_at_one=sigma_at_one), 1.0
+    return sde_step(config.kernel, x, v, sig32[k], sig32[k + 1], noise, noise_level=config.noise_level,
+                    sigma_at_one=sigma_at_one, std_scale=scale), scale
+
+
 def tree_rollout(
     generator,
     prompts: list[str],
@@ -238,7 +261,6 @@ def tree_rollout(
     sig32 = sigmas.to(device=device, dtype=torch.float32)
     sigma_at_one = float(sigmas[1]) if config.num_steps > 1 else None
     mask = tree.sde_mask(config.num_steps)
-    kappa = tree.split_noise_scale
     with torch.no_grad():
         cond_t, uncond_t = _encode(generator, list(prompts), config)
         x = randn_per_sample(latent_shape, seed, idx, step=0, device=device)
@@ -264,22 +286,9 @@ def tree_rollout(
             child_tree = node_tree.repeat_interleave(f)
             child_codes = codes.repeat_interleave(f) * f + torch.arange(f).repeat(n) if f > 1 else codes.clone()
             xp, vp = x[par.to(device)], v[par.to(device)]
-            split = f > 1
-            scale = kappa if split else 1.0
-            if bool(mask[k]):
-                noise = randn_per_sample(latent_shape, seed, _node_index(idx[child_tree], child_codes), step=k + 1,
-                                         device=device)
-                if split and tree.reference_split_log_prob:
-                    out = sde_step(config.kernel, xp, vp, sig32[k], sig32[k + 1], noise * scale,
-                                   noise_level=config.noise_level, sigma_at_one=sigma_at_one)
-                    std_scales.append(1.0)
-                else:
-                    out = sde_step(config.kernel, xp, vp, sig32[k], sig32[k + 1], noise,
-                                   noise_level=config.noise_level, sigma_at_one=sigma_at_one, std_scale=scale)
-                    std_scales.append(scale)
-            else:
-                out = sde_step("ode", xp, vp, sig32[k], sig32[k + 1], None)
-                std_scales.append(1.0)
+            out, std_scale = _tree_step(config, tree, k, bool(mask[k]), xp, vp, sig32, sigma_at_one, latent_shape,
+                                        seed, idx[child_tree], child_codes)
+            std_scales.append(std_scale)
             if k == config.num_steps - 1:
                 x0 = (xp - sig32[k] * vp).float().cpu()
             x = out.sample
@@ -346,8 +355,8 @@ def regenerate_leaf(
     """
     tree.check(config.num_steps)
     device = generator.device
-    sig32 = config.sigmas().to(device=device, dtype=torch.float32)
     sigmas = config.sigmas()
+    sig32 = sigmas.to(device=device, dtype=torch.float32)
     sigma_at_one = float(sigmas[1]) if config.num_steps > 1 else None
     mask = tree.sde_mask(config.num_steps)
     f, n_splits = tree.branch_factor, len(tree.split_steps)
@@ -359,17 +368,6 @@ def regenerate_leaf(
                                 config.micro_batch_size)
             done = sum(1 for s in tree.split_steps if s <= k)
             code = int(leaf_code) // f ** (n_splits - done)
-            split = k in tree.split_steps
-            scale = tree.split_noise_scale if split else 1.0
-            if bool(mask[k]):
-                noise = randn_per_sample(latent_shape, seed, _node_index(torch.tensor([tree_index]),
-                                                                         torch.tensor([code])), step=k + 1, device=device)
-                if split and tree.reference_split_log_prob:
-                    x = sde_step(config.kernel, x, v, sig32[k], sig32[k + 1], noise * scale,
-                                 noise_level=config.noise_level, sigma_at_one=sigma_at_one).sample
-                else:
-                    x = sde_step(config.kernel, x, v, sig32[k], sig32[k + 1], noise, noise_level=config.noise_level,
-                                 sigma_at_one=sigma_at_one, std_scale=scale).sample
-            else:
-                x = sde_step("ode", x, v, sig32[k], sig32[k + 1], None).sample
+            x = _tree_step(config, tree, k, bool(mask[k]), x, v, sig32, sigma_at_one, latent_shape, seed,
+                           torch.tensor([tree_index]), torch.tensor([code]))[0].sample
     return x[0]

@@ -310,6 +310,19 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
     def latent_shape(self) -> tuple[int, ...]:
         """Per-sample latent shape in the family's native layout (what the sampler draws noise for)."""
 
+    def _image_latent_shape(self, channels: int, factor: int, multiple: int, why: str,
+                            example: str) -> tuple[int, int, int]:
+        """(channels, H / factor, W / factor): an image family's latent shape at this sample size.
+
+        Raises:
+            ValueError: height or width is not a positive multiple of ``multiple``; the message names what the
+                multiple is made of (``why``) and an ``example`` size.
+        """
+        if self.height % multiple or self.width % multiple or self.height <= 0 or self.width <= 0:
+            raise ValueError(f"{self.family}: height x width={self.height}x{self.width} must be positive multiples "
+                             f"of {multiple} ({why}); e.g. {example}")
+        return (int(channels), self.height // factor, self.width // factor)
+
     def _frozen_to_device(self, names: tuple[str, ...]) -> None:
         device = self.device
         for name in names:

@@ -126,12 +126,8 @@ class FluxGenerator(DiffusersGenerator):
         f = self.vae_scale_factor
         if self.num_frames != 1:
             raise ValueError(f"flux is an image family: num_frames must be 1, got {self.num_frames}")
-        if self.height % (2 * f) or self.width % (2 * f) or self.height <= 0 or self.width <= 0:
-            raise ValueError(
-                f"flux: height x width={self.height}x{self.width} must be positive multiples of {2 * f} "
-                f"(VAE factor {f} x 2x2 latent packing); e.g. 1024x1024"
-            )
-        return (int(self.transformer.config.in_channels) // 4, self.height // f, self.width // f)
+        return self._image_latent_shape(int(self.transformer.config.in_channels) // 4, f, 2 * f,
+                                        f"VAE factor {f} x 2x2 latent packing", "1024x1024")
 
     @property
     def image_seq_len(self) -> int:

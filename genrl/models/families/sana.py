@@ -99,13 +99,15 @@ class SanaGenerator(DiffusersGenerator):
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
+        """(C, h, w) = (latent channels, H / f, W / f) with f the VAE compression (32 for the released models).
+
+        Raises:
+            ValueError: height or width is not a positive multiple of f x patch size.
+        """
         f, p = self.vae_scale_factor, int(self.transformer.config.patch_size)
-        if self.height % (f * p) or self.width % (f * p) or self.height <= 0 or self.width <= 0:
-            raise ValueError(
-                f"sana: height x width={self.height}x{self.width} must be positive multiples of {f * p} "
-                f"(VAE compression {f} x patch {p}); e.g. 1024x1024 (SanaPipeline itself needs multiples of 32)"
-            )
-        return (int(self.transformer.config.in_channels), self.height // f, self.width // f)
+        return self._image_latent_shape(self.transformer.config.in_channels, f, f * p,
+                                        f"VAE compression {f} x patch {p}",
+                                        "1024x1024 (SanaPipeline itself needs multiples of 32)")
 
     # ------------------------------------------------------------------ text
     def _cache_key(self, prompt: str) -> str:

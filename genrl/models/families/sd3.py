@@ -76,12 +76,8 @@ class SD3Generator(DiffusersGenerator):
             ValueError: height or width is not a multiple of vae factor x patch size (names both).
         """
         ss, p = self.vae_scale_factor, int(self.transformer.config.patch_size)
-        if self.height % (ss * p) or self.width % (ss * p) or self.height <= 0 or self.width <= 0:
-            raise ValueError(
-                f"sd3: height x width={self.height}x{self.width} must be positive multiples of {ss * p} "
-                f"(VAE factor {ss} x patch size {p}); e.g. 512x512 or 1024x1024"
-            )
-        return (int(self.transformer.config.in_channels), self.height // ss, self.width // ss)
+        return self._image_latent_shape(self.transformer.config.in_channels, ss, ss * p,
+                                        f"VAE factor {ss} x patch size {p}", "512x512 or 1024x1024")
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _, pooled, _ = self.pipeline.encode_prompt(
