@@ -43,11 +43,13 @@ class Conditioning:
         return Conditioning(self.hidden_states.to(device), self.attention_mask.to(device), list(self.prompts), pooled)
 
     def select(self, rows: list[int] | torch.Tensor) -> "Conditioning":
-        """The rows ``rows`` (int list or int64 tensor; repeats allowed) of every field."""
-        idx = torch.as_tensor(rows, dtype=torch.long, device=self.hidden_states.device)
+        """The rows ``rows`` (int list or int64 tensor; repeats allowed) of every field. A Python list avoids a
+        device-to-host copy for the prompt strings (the sampler passes lists)."""
+        rows_list = rows.tolist() if isinstance(rows, torch.Tensor) else [int(i) for i in rows]
+        idx = torch.as_tensor(rows_list, dtype=torch.long, device=self.hidden_states.device)
         pooled = None if self.pooled is None else self.pooled[idx.to(self.pooled.device)]
         return Conditioning(self.hidden_states[idx], self.attention_mask[idx.to(self.attention_mask.device)],
-                            [self.prompts[int(i)] for i in idx.tolist()], pooled)
+                            [self.prompts[i] for i in rows_list], pooled)
 
     @staticmethod
     def cat(items: list["Conditioning"]) -> "Conditioning":

@@ -89,6 +89,11 @@ class RolloutConfig:
         if self.sde_steps != "all" and not 1 <= self.num_sde_steps <= self.num_steps:
             raise ValueError(f"num_sde_steps must be in [1, num_steps={self.num_steps}], got {self.num_sde_steps}")
 
+    def sigma_at_one(self, sigmas: torch.Tensor) -> float | None:
+        """The Flow-GRPO kernel's stand-in for sigma = 1 in g's denominator: the schedule's second entry
+        (None for a one-step schedule); see :func:`genrl.flow.sde.diffusion_coefficient`."""
+        return float(sigmas[1]) if self.num_steps > 1 else None
+
     def sigmas(self) -> torch.Tensor:
         """The float64 sigma schedule [num_steps + 1], from shift(1) (or ``schedule[0]``) down to 0."""
         if self.schedule is not None:
@@ -189,9 +194,9 @@ def guided_velocity(
     for rows, padded in _micro_batches(x.shape[0], micro_batch_size):
         idx = torch.tensor(padded, device=x.device)
         xb, sb = x[idx], sigma[idx]
-        cb = cond.select(idx)
+        cb = cond.select(padded)
         if uncond is not None and cfg_scale != 1.0:
-            ub = uncond.select(idx)
+            ub = uncond.select(padded)
             v_c, v_u = generator.velocity(torch.cat([xb, xb]), torch.cat([sb, sb]), Conditioning.cat([cb, ub])).float().chunk(2)
             v = cfg_combine(v_c, v_u, cfg_scale)
         else:
@@ -248,7 +253,7 @@ def rollout(
     sigmas = config.sigmas()
     mask = sde_mask(config, seed, rollout_id)
     sig32 = sigmas.to(device=device, dtype=torch.float32)
-    sigma_at_one = float(sigmas[1]) if config.num_steps > 1 else None
+    sigma_at_one = config.sigma_at_one(sigmas)
     ctx = torch.enable_grad() if grad == "full" else torch.no_grad()
     with ctx:
         cond, uncond = _encode(generator, list(prompts), config)
@@ -326,7 +331,7 @@ def transition_log_prob(
     sample = traj.latents[:, step + 1].to(device)
     n = x.shape[0]
     v = guided_velocity(generator, x, sig32[step].expand(n), cond, uncond, w, config.micro_batch_size)
-    sigma_at_one = float(traj.sigmas[1]) if config.num_steps > 1 else None
+    sigma_at_one = config.sigma_at_one(traj.sigmas)
     log_prob, mean, _ = step_log_prob(config.kernel, x, v, sig32[step], sig32[step + 1], sample,
                                       noise_level=config.noise_level, sigma_at_one=sigma_at_one)
     return log_prob, v, mean

@@ -259,7 +259,7 @@ def tree_rollout(
     device = generator.device
     sigmas = config.sigmas()
     sig32 = sigmas.to(device=device, dtype=torch.float32)
-    sigma_at_one = float(sigmas[1]) if config.num_steps > 1 else None
+    sigma_at_one = config.sigma_at_one(sigmas)
     mask = tree.sde_mask(config.num_steps)
     with torch.no_grad():
         cond_t, uncond_t = _encode(generator, list(prompts), config)
@@ -331,7 +331,7 @@ def edge_log_prob(
     sig32 = rollout.sigmas.to(device=device, dtype=torch.float32)
     v = guided_velocity(generator, x, sig32[step].expand(x.shape[0]), cond, uncond, config.cfg_scale,
                         config.micro_batch_size)
-    sigma_at_one = float(rollout.sigmas[1]) if config.num_steps > 1 else None
+    sigma_at_one = config.sigma_at_one(rollout.sigmas)
     lp, _, _ = step_log_prob(config.kernel, x, v, sig32[step], sig32[step + 1], sample,
                              noise_level=config.noise_level, sigma_at_one=sigma_at_one,
                              std_scale=rollout.std_scales[step])
@@ -357,7 +357,7 @@ def regenerate_leaf(
     device = generator.device
     sigmas = config.sigmas()
     sig32 = sigmas.to(device=device, dtype=torch.float32)
-    sigma_at_one = float(sigmas[1]) if config.num_steps > 1 else None
+    sigma_at_one = config.sigma_at_one(sigmas)
     mask = tree.sde_mask(config.num_steps)
     f, n_splits = tree.branch_factor, len(tree.split_steps)
     with torch.no_grad():
