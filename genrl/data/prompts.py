@@ -402,8 +402,9 @@ class PromptDataModule(ResumableStreamDataModule):
             raise ValueError(f"val_size must be >= 0, got {val_size}")
         if group_size == 1:
             rank_zero_warn(
-                "PromptDataModule(group_size=1): each group has one sample, so group-normalised (GRPO) "
-                "advantages are all zero; use group_size >= 2 for group-relative methods"
+                "PromptDataModule(group_size=1): each group has one sample, so GRPO's group-normalised "
+                "advantages would all be zero; use group_size >= 2 for GRPO (fine for BranchGRPO, whose tree "
+                "leaves are the group, and for methods without groups)"
             )
         self.world = as_world(world)
         # hparams keep the world as a plain dict, so checkpoints load with torch.load(weights_only=True)
