@@ -7,6 +7,19 @@ Step math in float32 (float64 kept). Latents [B, T, C, H, W] (frame_dim=1) or Wa
 """
 
 from genrl.flow.broadcast import SigmaLike, compute_dtype, expand_sigma
+from genrl.flow.dmd import (
+    critic_loss,
+    dmd_cfg,
+    dmd_gradient,
+    dmd_loss,
+    ode_regression_loss,
+    reference_scale_to_w,
+    sample_dmd_sigma,
+    sid_loss,
+    w_to_reference_scale,
+    warped_sigmas,
+    warped_timesteps,
+)
 from genrl.flow.guidance import cfg_combine
 from genrl.flow.losses import SIGMA_SQRT_MIN_SIGMA, LossWeighting, flow_matching_loss, loss_weighting
 from genrl.flow.parameterization import (
@@ -95,4 +108,15 @@ __all__ = [
     "group_stats",
     "normalize_rewards",
     "RunningMeanStd",
+    "warped_timesteps",
+    "warped_sigmas",
+    "sample_dmd_sigma",
+    "dmd_gradient",
+    "dmd_loss",
+    "critic_loss",
+    "ode_regression_loss",
+    "sid_loss",
+    "reference_scale_to_w",
+    "w_to_reference_scale",
+    "dmd_cfg",
 ]
