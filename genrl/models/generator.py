@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from genrl.models.causal import CausalConfig, KVCache
 from genrl.models.codec import PixelCodec
 from genrl.models.dit import VideoDiT
 from genrl.models.text_encoder import Conditioning, TextEncoder
@@ -58,6 +59,8 @@ class DiTGenerator(nn.Module):
                 f"{transformer.config.text_dim}; build the transformer with text_dim={text_encoder.hidden_size}"
             )
         self.transformer = transformer
+        #: chunk layout when this generator is a causal student (None: bidirectional by default).
+        self.causal: CausalConfig | None = None
         self.codec = codec if codec is not None else PixelCodec(transformer.config.in_channels)
         object.__setattr__(self, "text_encoder", text_encoder)  # not a child: frozen, never checkpointed
 
@@ -103,16 +106,59 @@ class DiTGenerator(nn.Module):
         return self.text_encoder(prompts)
 
     def velocity(
-        self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, attention: str = "bidirectional"
+        self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, attention: str | None = None,
+        causal: CausalConfig | None = None, start_frame: int = 0,
     ) -> torch.Tensor:
         """Velocity ``v = eps - x0`` at ``x`` [B, T, C, H, W] and sigma [B] or [B, T] in [0, 1].
+
+        ``attention`` defaults to ``"block_causal"`` when the generator has a causal layout (``self.causal``, set
+        for a causal student) and to ``"bidirectional"`` otherwise; ``causal`` / ``start_frame`` override the
+        layout and the absolute position of the first frame.
 
         Raises:
             ValueError: batch of ``cond`` differs from ``x`` (and the transformer's own shape checks).
         """
         if len(cond) != x.shape[0]:
             raise ValueError(f"conditioning holds {len(cond)} prompts for a batch of {x.shape[0]} latents")
-        return self.transformer(x, sigma, cond.hidden_states, cond.attention_mask, attention=attention)
+        causal = causal or self.causal
+        if attention is None:
+            attention = "block_causal" if causal is not None else "bidirectional"
+        return self.transformer(x, sigma, cond.hidden_states, cond.attention_mask, attention=attention,
+                                causal=causal if attention == "block_causal" else None, start_frame=start_frame)
+
+    # ------------------------------------------------------------------ causal (chunk-wise) use
+    #: frame axis of this generator's latents ([B, T, C, H, W]).
+    frame_dim = 1
+
+    def init_cache(self, batch_size: int, causal: CausalConfig) -> KVCache:
+        """An empty KV cache for ``batch_size`` videos with chunk layout / window ``causal``.
+
+        Raises:
+            ValueError: chunk, window or sink sizes not multiples of the DiT's temporal patch.
+        """
+        causal.check_patch(self.transformer.config.patch_size[0])
+        return KVCache(causal, batch_size, patch_frames=self.transformer.config.patch_size[0])
+
+    def velocity_chunk(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, cache: KVCache) -> torch.Tensor:
+        """Velocity of a chunk ``x`` [B, f, C, H, W] (frames ``cache.end_frame ...``) attending to the cached
+        context; sigma [B] or [B, f]. The cache is read, not written.
+
+        Raises:
+            ValueError: batch of ``cond`` / cache differs from ``x`` (and the transformer's checks).
+        """
+        if len(cond) != x.shape[0]:
+            raise ValueError(f"conditioning holds {len(cond)} prompts for a batch of {x.shape[0]} latents")
+        return self.transformer(x, sigma, cond.hidden_states, cond.attention_mask, attention="block_causal",
+                                causal=cache.config, start_frame=cache.end_frame, kv_cache=cache,
+                                cross_key=tuple(cond.prompts))
+
+    def commit(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, cache: KVCache) -> None:
+        """Context pass: run the chunk ``x`` (clean or lightly noised, at ``sigma``) and append its keys /
+        values to ``cache`` (Self-Forcing's cache update; no gradient)."""
+        with torch.no_grad():
+            self.transformer(x, sigma, cond.hidden_states, cond.attention_mask, attention="block_causal",
+                             causal=cache.config, start_frame=cache.end_frame, kv_cache=cache, commit=True,
+                             cross_key=tuple(cond.prompts))
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [B, T, C, H, W] in [0, 1] -> latents (native layout of the codec)."""

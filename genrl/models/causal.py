@@ -1,0 +1,284 @@
+"""Block-causal attention layout and the self-attention KV cache of causal, chunk-wise video students.
+
+Shared by genrl's DiT and the causal Wan2.1 adapter. The layout follows CausVid (Yin et al. 2025, sec. 3)
+and Self-Forcing (Huang et al. 2025, sec. 3): latent frames are grouped into chunks (optionally a
+different first chunk, e.g. [1, 3, 3, ...]); a query attends to every frame of its own chunk and of
+earlier chunks, optionally only to a trailing local window plus the first ``sink_frames`` frames
+(LongLive, Yang et al. 2025, "frame sink").
+
+The cache stores keys *before* rotary position embedding (as LongLive's relative mode and TempAct's
+fork API ask), so a fork or a window shift never rewrites stored keys; positions are applied when the
+keys are read, either absolute (frame index) or cache-relative (rank of the frame among the frames
+attended to). Keys and values are per layer ``[B, heads, N_tokens, head_dim]``, with one frame-index
+entry per stored frame group; tensors are replaced (never written in place), so forks never alias.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["CausalConfig", "KVCache", "CausalGenerator", "frame_visibility"]
+
+Positions = Literal["absolute", "relative"]
+
+
+@dataclass
+class CausalConfig:
+    """Chunk layout and attention window of a causal student, in latent frames.
+
+    Attributes:
+        chunk_size: latent frames per chunk (Self-Forcing on Wan: 3; the shapes DiT: 2).
+        first_chunk_size: size of chunk 0 when it differs (Self-Forcing's ``independent_first_frame``: 1).
+        local_window: latent frames a query may attend to, counted back from the end of its own chunk (its
+            chunk included); None attends to everything before (Self-Forcing ``local_attn_size``).
+        sink_frames: the first latent frames, always attended to when ``local_window`` is set (LongLive's
+            frame sink; 0 = none).
+        positions: ``"absolute"`` (frame index, Self-Forcing) or ``"relative"`` (rank of the frame among the
+            frames a forward attends to: sink, then window, then the input; LongLive's KV-relative RoPE), which
+            keeps positions inside the trained range for unbounded streaming.
+
+    Raises:
+        ValueError: non-positive sizes, a negative sink, or a window smaller than a chunk.
+    """
+
+    chunk_size: int = 2
+    first_chunk_size: int | None = None
+    local_window: int | None = None
+    sink_frames: int = 0
+    positions: Positions = "absolute"
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1 or (self.first_chunk_size is not None and self.first_chunk_size < 1):
+            raise ValueError(f"chunk sizes must be >= 1, got chunk_size={self.chunk_size}, "
+                             f"first_chunk_size={self.first_chunk_size}")
+        if self.sink_frames < 0:
+            raise ValueError(f"sink_frames must be >= 0, got {self.sink_frames}")
+        if self.local_window is not None and self.local_window < max(self.chunk_size, self.first_chunk_size or 0):
+            raise ValueError(f"local_window={self.local_window} is smaller than a chunk ({self.chunk_size} frames); "
+                             f"a chunk must see itself: use local_window >= chunk size")
+        if self.positions not in ("absolute", "relative"):
+            raise ValueError(f"positions must be 'absolute' or 'relative', got {self.positions!r}")
+
+    def check_patch(self, patch_frames: int) -> None:
+        """Raise ValueError if chunk / window / sink sizes are not multiples of the temporal patch."""
+        for name in ("chunk_size", "first_chunk_size", "local_window", "sink_frames"):
+            value = getattr(self, name)
+            if value is not None and value % patch_frames:
+                raise ValueError(f"{name}={value} is not a multiple of the model's temporal patch {patch_frames}; "
+                                 f"chunk, window and sink sizes are counted in latent frames")
+
+    def chunk_start(self, k: int) -> int:
+        """First latent frame of chunk ``k``."""
+        first = self.first_chunk_size or self.chunk_size
+        return 0 if k == 0 else first + (k - 1) * self.chunk_size
+
+    def chunk_len(self, k: int) -> int:
+        return (self.first_chunk_size or self.chunk_size) if k == 0 else self.chunk_size
+
+    def chunk_of(self, frames: torch.Tensor) -> torch.Tensor:
+        """Chunk index of each latent frame index (int64 tensor of any shape)."""
+        first = self.first_chunk_size or self.chunk_size
+        later = torch.div(frames - first, self.chunk_size, rounding_mode="floor") + 1
+        return torch.where(frames < first, torch.zeros_like(frames), later)
+
+    def num_chunks(self, num_frames: int) -> int:
+        """Number of chunks covering ``num_frames`` latent frames.
+
+        Raises:
+            ValueError: the frames do not end on a chunk boundary.
+        """
+        k = 0
+        while self.chunk_start(k) < num_frames:
+            k += 1
+        if self.chunk_start(k) != num_frames:
+            raise ValueError(f"{num_frames} latent frames do not split into chunks of {self.first_chunk_size or self.chunk_size}"
+                             f" then {self.chunk_size}; use a number of frames on a chunk boundary")
+        return k
+
+
+def frame_visibility(config: CausalConfig, query_frames: torch.Tensor, key_frames: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[Nq, Nk]``: may a token of latent frame ``query_frames[i]`` attend to frame ``key_frames[j]``.
+
+    Rule: ``chunk(j) <= chunk(i)`` and, with a local window W and S sink frames,
+    ``j < S or j >= end(chunk(i)) - W`` (end = one past the last frame of i's chunk).
+    """
+    cq, ck = config.chunk_of(query_frames), config.chunk_of(key_frames)
+    visible = ck[None, :] <= cq[:, None]
+    if config.local_window is not None:
+        first = config.first_chunk_size or config.chunk_size
+        end = torch.where(cq == 0, torch.full_like(cq, first), first + cq * config.chunk_size)
+        in_window = key_frames[None, :] >= (end - config.local_window)[:, None]
+        in_sink = key_frames[None, :] < config.sink_frames
+        visible = visible & (in_window | in_sink)
+    return visible
+
+
+@dataclass
+class KVCache:
+    """Self-attention keys / values of the committed (context) frames of a batch of videos.
+
+    Attributes:
+        config: the chunk layout and window the cache serves.
+        keys, values: per layer ``[B, heads, N_tokens, head_dim]`` (keys un-roped); empty lists before the first
+            commit.
+        frames: int64 ``[N_groups]``: first latent frame of each stored frame group (groups of ``patch_frames``
+            latent frames share tokens), ascending.
+        tokens_per_group: tokens each frame group holds.
+        patch_frames: latent frames per frame group (the model's temporal patch).
+        end_frame: one past the last committed latent frame (where the next chunk starts).
+        cross: cross-attention cache, ``{layer: (key, k, v)}``; ``key`` identifies the conditioning it was built
+            from, so a different prompt never reads a stale entry.
+        batch_size: B.
+    """
+
+    config: CausalConfig
+    batch_size: int
+    patch_frames: int = 1
+    tokens_per_group: int = 0
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    frames: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    end_frame: int = 0
+    cross: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def num_groups(self) -> int:
+        return int(self.frames.numel())
+
+    def visible(self, query_frames: torch.Tensor) -> torch.Tensor:
+        """Boolean ``[Nq_groups, N_groups]`` visibility of the stored groups from query frame groups."""
+        return frame_visibility(self.config, query_frames.cpu(), self.frames)
+
+    def token_rows(self, group_mask: torch.Tensor) -> torch.Tensor:
+        """Token indices (int64) of the stored groups selected by the boolean ``group_mask`` [N_groups]."""
+        idx = group_mask.nonzero().flatten()
+        return (idx[:, None] * self.tokens_per_group + torch.arange(self.tokens_per_group)).flatten()
+
+    # ------------------------------------------------------------------ writes (return new tensors)
+    def append(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], group_frames: torch.Tensor,
+               tokens_per_group: int) -> None:
+        """Store the K/V of newly committed frame groups (one ``(k, v)`` per layer, un-roped keys
+        ``[B, heads, n_groups * tokens_per_group, head_dim]``) and drop groups no later chunk can see.
+
+        Raises:
+            ValueError: frames not contiguous with the cache, or a layer count / token count mismatch.
+        """
+        group_frames = group_frames.to(torch.long).cpu()
+        if self.num_groups and tokens_per_group != self.tokens_per_group:
+            raise ValueError(f"committing {tokens_per_group} tokens per frame group into a cache of "
+                             f"{self.tokens_per_group}; the latent height / width changed mid-video")
+        if self.keys and len(layer_kv) != len(self.keys):
+            raise ValueError(f"{len(layer_kv)} layers committed into a cache of {len(self.keys)}")
+        if int(group_frames[0]) != self.end_frame:
+            raise ValueError(f"commit starts at latent frame {int(group_frames[0])} but the cache ends at "
+                             f"{self.end_frame}; commit chunks in order")
+        self.tokens_per_group = tokens_per_group
+        if not self.keys:
+            self.keys = [k for k, _ in layer_kv]
+            self.values = [v for _, v in layer_kv]
+        else:
+            self.keys = [torch.cat([a, k], dim=2) for a, (k, _) in zip(self.keys, layer_kv)]
+            self.values = [torch.cat([a, v], dim=2) for a, (_, v) in zip(self.values, layer_kv)]
+        self.frames = torch.cat([self.frames, group_frames])
+        self.end_frame = int(group_frames[-1]) + self.patch_frames
+        self.evict()
+
+    def evict(self) -> None:
+        """Drop stored groups that no future chunk can attend to (outside sink and every future window)."""
+        w = self.config.local_window
+        if w is None or not self.num_groups:
+            return
+        # every later chunk ends at e >= end_frame + chunk_size and sees frames >= e - w
+        keep = (self.frames < self.config.sink_frames) | (self.frames >= self.end_frame + self.config.chunk_size - w)
+        if bool(keep.all()):
+            return
+        self._select(keep)
+
+    def truncate(self, keep_frames_before: int, keep_sink: bool = True) -> None:
+        """Keep only groups before latent frame ``keep_frames_before`` (and the sink when ``keep_sink``), set
+        ``end_frame`` to ``keep_frames_before`` and clear the cross-attention cache (a prompt re-cache)."""
+        keep = self.frames < keep_frames_before
+        if not keep_sink:
+            keep = keep & (self.frames >= self.config.sink_frames)
+        self._select(keep)
+        self.end_frame = int(keep_frames_before)
+        self.cross = {}
+
+    def keep_groups(self, keep: torch.Tensor) -> None:
+        """Keep only the stored groups where ``keep`` [N_groups] is True (end_frame unchanged)."""
+        self._select(keep)
+
+    def _select(self, keep: torch.Tensor) -> None:
+        rows = self.token_rows(keep)
+        if self.keys:
+            dev = self.keys[0].device
+            rows = rows.to(dev)
+            self.keys = [k.index_select(2, rows) for k in self.keys]
+            self.values = [v.index_select(2, rows) for v in self.values]
+        self.frames = self.frames[keep]
+
+    def reset(self) -> None:
+        """Forget everything (a new video)."""
+        self.keys, self.values, self.cross = [], [], {}
+        self.frames = torch.zeros(0, dtype=torch.long)
+        self.end_frame = 0
+
+    # ------------------------------------------------------------------ copies
+    def clone(self) -> "KVCache":
+        """A deep copy: every tensor cloned, every index and dict new (writing into one never changes the other)."""
+        return KVCache(
+            config=copy.deepcopy(self.config), batch_size=self.batch_size, patch_frames=self.patch_frames,
+            tokens_per_group=self.tokens_per_group, keys=[k.clone() for k in self.keys],
+            values=[v.clone() for v in self.values], frames=self.frames.clone(), end_frame=self.end_frame,
+            cross={layer: (key, k.clone(), v.clone()) for layer, (key, k, v) in self.cross.items()},
+        )
+
+    def repeat_interleave(self, n: int) -> "KVCache":
+        """A new cache of batch ``B * n``: row ``b`` repeated ``n`` times in a row (batched fork)."""
+        out = self.clone()
+        out.batch_size = self.batch_size * n
+        out.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
+        out.values = [v.repeat_interleave(n, dim=0) for v in self.values]
+        out.cross = {}  # conditioning rows change with the batch; rebuilt on first use
+        return out
+
+    def select_rows(self, rows: list[int]) -> "KVCache":
+        """A new cache holding batch rows ``rows`` (cloned)."""
+        out = self.clone()
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        out.batch_size = len(rows)
+        out.keys = [k.index_select(0, idx.to(k.device)) for k in out.keys]
+        out.values = [v.index_select(0, idx.to(v.device)) for v in out.values]
+        out.cross = {}
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by stored keys and values."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@runtime_checkable
+class CausalGenerator(Protocol):
+    """What the autoregressive sampler needs from a causal student (genrl's DiT, the causal Wan2.1 adapter).
+
+    - ``frame_dim``: frame axis of the latents (1 for [B, T, C, H, W], 2 for Wan's [B, C, T, H, W]);
+    - ``init_cache(batch_size, causal) -> KVCache``;
+    - ``velocity_chunk(x, sigma, cond, cache) -> v``: a chunk starting at ``cache.end_frame``, attending to the
+      cached context (read only); sigma [B] or per frame;
+    - ``commit(x, sigma, cond, cache)``: the context pass, appending the chunk's keys / values (no gradient);
+    - ``velocity(x, sigma, cond, attention=..., causal=..., start_frame=...)``: full-sequence forward
+      (``"block_causal"`` with the same layout, or ``"bidirectional"``).
+    """
+
+    frame_dim: int
+
+    def init_cache(self, batch_size: int, causal: CausalConfig) -> KVCache: ...
+
+    def velocity_chunk(self, x: torch.Tensor, sigma: torch.Tensor, cond, cache: KVCache) -> torch.Tensor: ...
+
+    def commit(self, x: torch.Tensor, sigma: torch.Tensor, cond, cache: KVCache) -> None: ...

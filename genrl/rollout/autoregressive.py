@@ -1,0 +1,431 @@
+"""Autoregressive (chunk-wise) mode of the rollout sampler: causal few-step students with a KV cache.
+
+One chunk loop serves DMD / Self-Forcing training, AFD and Stream-R1 rollouts, streaming generation and
+evaluation (ar_distill.md sections 1.1, 1.5 and 3.2; tempact.md section 3):
+
+- each chunk is denoised over a few-step sigma list (Self-Forcing's warped [1000, 750, 500, 250]); between
+  steps the clean prediction is re-noised with fresh noise (the consistency sampler) or moved by an Euler step;
+- a context pass commits the finished chunk to the KV cache at ``context_noise``;
+- :class:`ARState` persists across calls (continue a video), :func:`fork` deep-copies it, and
+  :func:`switch_prompt` changes the prompt at a chunk boundary (swap, cross-attention reset, or re-cache of the
+  recent window keeping the sink frames);
+- the Self-Forcing gradient policy: one exit step shared by all chunks (drawn on rank 0 and broadcast); only
+  that forward carries a graph; nothing flows through the cache.
+
+Noise is addressed by (seed, sample index, chunk, step) (DESIGN.md section 2): chunk ``k`` step ``j`` of sample
+``i`` draws from ``(seed, i, step=j, stream=1 + k)``, so a continued, forked or regenerated video gets the same
+noise as a straight rollout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from genrl.flow.schedules import shift_sigmas
+from genrl.models.causal import CausalConfig, KVCache
+from genrl.models.text_encoder import Conditioning
+from genrl.rollout.noise import mix_seed, randn_per_sample
+
+__all__ = ["ChunkSchedule", "ARState", "ARResult", "new_state", "ar_rollout", "fork", "switch_prompt",
+           "sample_exit_step", "chunk_noise", "step_dtype"]
+
+GradPolicy = Literal["none", "self_forcing", "full"]
+SwitchMode = Literal["swap", "crossattn_reset", "recache"]
+
+
+@dataclass
+class ChunkSchedule:
+    """How a causal student generates: chunk layout, few-step list, re-noise rule and context noise.
+
+    Attributes:
+        causal: chunk sizes, local window, sink frames and position policy (:class:`CausalConfig`).
+        timesteps: the configured denoising list in [0, 1000], descending (Self-Forcing [1000, 750, 500, 250]).
+        shift: timestep shift s.
+        warp: Self-Forcing's ``warp_denoising_step``: the list indexes the shifted 1000-step grid (shift 5 gives
+            [1000, 937.5, 833.3, 625]); False shifts each value directly.
+        kernel: ``"consistency"`` (x_{j+1} = (1 - sigma_{j+1}) x0_hat + sigma_{j+1} eps', fresh eps'; Self-Forcing)
+            or ``"ode"`` (Euler step x + (sigma_{j+1} - sigma_j) v; deterministic).
+        context_noise: sigma of the context pass that commits a finished chunk (0 = clean context).
+
+    Raises:
+        ValueError: an empty or non-descending list, values outside [0, 1000], a bad kernel or context noise.
+    """
+
+    causal: CausalConfig = field(default_factory=CausalConfig)
+    timesteps: list[float] = field(default_factory=lambda: [1000.0, 750.0, 500.0, 250.0])
+    shift: float = 5.0
+    warp: bool = True
+    kernel: Literal["consistency", "ode"] = "consistency"
+    context_noise: float = 0.0
+
+    def __post_init__(self) -> None:
+        ts = [float(t) for t in self.timesteps]
+        if not ts or any(not 0 < t <= 1000 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
+            raise ValueError(f"timesteps must be a strictly descending list in (0, 1000], got {self.timesteps}")
+        self.timesteps = ts
+        if self.kernel not in ("consistency", "ode"):
+            raise ValueError(f"kernel must be 'consistency' or 'ode', got {self.kernel!r}")
+        if not 0.0 <= self.context_noise < 1.0:
+            raise ValueError(f"context_noise is a sigma in [0, 1), got {self.context_noise}")
+        if isinstance(self.causal, dict):
+            self.causal = CausalConfig(**self.causal)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    def sigmas(self) -> torch.Tensor:
+        """float64 [S + 1]: the step sigmas, then 0."""
+        if self.warp:
+            from genrl.flow.dmd import warped_sigmas
+
+            sig = [float(v) for v in warped_sigmas(self.timesteps, self.shift)]
+        else:
+            sig = [float(shift_sigmas(torch.tensor(t / 1000.0, dtype=torch.float64), self.shift)) for t in self.timesteps]
+        return torch.tensor(sig + [0.0], dtype=torch.float64)
+
+
+@dataclass
+class ARState:
+    """Everything needed to continue a batch of videos (persistent across :func:`ar_rollout` calls).
+
+    Attributes:
+        cache: the self-attention KV cache (+ cross-attention cache keyed by prompt).
+        cond: the current conditioning (B prompts).
+        latents: clean latents generated so far, generator layout (frames on ``frame_dim``), detached.
+        chunk_index: index of the next chunk.
+        segment: number of prompt switches so far.
+        seed, indices: noise addressing (run seed, int64 [B] global sample ids).
+        frame_dim: frame axis of the latents.
+    """
+
+    cache: KVCache
+    cond: Conditioning
+    latents: torch.Tensor | None
+    chunk_index: int
+    seed: int
+    indices: torch.Tensor
+    frame_dim: int = 1
+    segment: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def num_frames(self) -> int:
+        return 0 if self.latents is None else int(self.latents.shape[self.frame_dim])
+
+
+@dataclass
+class ARResult:
+    """Output of :func:`ar_rollout`.
+
+    Attributes:
+        latents: the generated chunks of this call, generator layout (frames on ``frame_dim``); carries a graph on
+            the frames of ``grad_mask`` under a gradient policy.
+        grad_mask: bool [B, T]: frames whose value carries a graph.
+        exit_step: the Self-Forcing exit index (None for other policies).
+        sigma_from, sigma_to: sigma interval of the exit step (DMD's optional timestep clamp).
+        trajectory: per chunk, when recorded: ``{"x": [S, B, ...] step inputs, "sigmas": [S + 1], "x0": [S, B, ...]
+            predictions, "noise": [S, B, ...] injected noises, "chunk": k, "start_frame": int}``.
+        state: the state after the last chunk (continue with ``ar_rollout(..., state=result.state)``).
+    """
+
+    latents: torch.Tensor
+    grad_mask: torch.Tensor
+    exit_step: int | None
+    sigma_from: float | None
+    sigma_to: float | None
+    trajectory: list[dict] | None
+    state: ARState
+
+
+def chunk_noise(state: ARState, frame_shape: Sequence[int], chunk: int, step: int, num_frames: int,
+                device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Standard normal noise of chunk ``chunk`` at step ``step`` for the state's samples, generator layout
+    (drawn in float32, then cast to ``dtype``: the same values for a float64 model)."""
+    shape = _chunk_shape(frame_shape, num_frames, state.frame_dim)
+    noise = randn_per_sample(shape, state.seed, state.indices, step=step, stream=1 + chunk, device=device)
+    return noise.to(dtype)
+
+
+def step_dtype(generator) -> torch.dtype:
+    """Dtype of the sampler's step math: float32, or float64 for a float64 model (exact tests)."""
+    transformer = getattr(generator, "transformer", None)
+    param = next(transformer.parameters(), None) if transformer is not None else None
+    return torch.float64 if param is not None and param.dtype == torch.float64 else torch.float32
+
+
+def _chunk_shape(frame_shape: Sequence[int], f: int, frame_dim: int) -> tuple[int, ...]:
+    shape = list(frame_shape)
+    shape.insert(frame_dim - 1, f)
+    return tuple(shape)
+
+
+def new_state(generator, cond: Conditioning, causal: CausalConfig, seed: int,
+              indices: Sequence[int] | torch.Tensor | None = None) -> ARState:
+    """A fresh state (empty cache) for ``len(cond)`` videos."""
+    n = len(cond)
+    idx = torch.arange(n) if indices is None else torch.as_tensor(list(map(int, indices)), dtype=torch.long)
+    if len(idx) != n:
+        raise ValueError(f"{len(idx)} sample indices for {n} prompts")
+    return ARState(cache=generator.init_cache(n, causal), cond=cond, latents=None, chunk_index=0, seed=seed,
+                   indices=idx, frame_dim=getattr(generator, "frame_dim", 1))
+
+
+def fork(state: ARState, n: int, indices: Sequence[Sequence[int]] | None = None) -> list[ARState]:
+    """``n`` independent deep copies of ``state`` (every tensor cloned, every index and dict new).
+
+    Continuing a fork with the same sample indices draws the same noise as continuing the original, so the
+    continuation equals a straight rollout bit for bit; give ``indices`` (one id list per fork) for
+    different continuations (e.g. a group of branches).
+    """
+    if n < 1:
+        raise ValueError(f"fork needs n >= 1, got {n}")
+    out = []
+    for i in range(n):
+        idx = state.indices.clone() if indices is None else torch.as_tensor(list(map(int, indices[i])), dtype=torch.long)
+        if len(idx) != state.batch_size:
+            raise ValueError(f"fork {i}: {len(idx)} indices for a batch of {state.batch_size}")
+        cond = Conditioning(state.cond.hidden_states.clone(), state.cond.attention_mask.clone(),
+                            list(state.cond.prompts), None if state.cond.pooled is None else state.cond.pooled.clone())
+        out.append(ARState(cache=state.cache.clone(), cond=cond,
+                           latents=None if state.latents is None else state.latents.clone(),
+                           chunk_index=state.chunk_index, seed=state.seed, indices=idx, frame_dim=state.frame_dim,
+                           segment=state.segment))
+    return out
+
+
+def _frames(t: torch.Tensor, start: int, stop: int, frame_dim: int) -> torch.Tensor:
+    return t.narrow(frame_dim, start, stop - start)
+
+
+def _renoise(x0: torch.Tensor, sigma: float, noise: torch.Tensor) -> torch.Tensor:
+    return (1.0 - sigma) * x0 + sigma * noise
+
+
+def switch_prompt(generator, state: ARState, cond: Conditioning, mode: SwitchMode = "recache",
+                  keep_sink: bool = True, context_noise: float = 0.0) -> None:
+    """Change the prompt of ``state`` at its current chunk boundary (LongLive's interactive switch).
+
+    Modes:
+        ``"swap"``: new text for later chunks; cached self-attention keys keep the old prompt's influence (the
+            cross-attention cache is keyed by prompt, so it is rebuilt).
+        ``"crossattn_reset"``: the same, with the cross-attention cache cleared explicitly.
+        ``"recache"``: drop the self-attention cache (except the sink frames when ``keep_sink``) and re-run the
+            context pass over the frames the next chunk can see, conditioned on the new prompt.
+
+    Raises:
+        ValueError: a batch-size mismatch, or an unknown mode.
+    """
+    if len(cond) != state.batch_size:
+        raise ValueError(f"new conditioning holds {len(cond)} prompts for a batch of {state.batch_size}")
+    if mode not in ("swap", "crossattn_reset", "recache"):
+        raise ValueError(f"switch mode must be 'swap', 'crossattn_reset' or 'recache', got {mode!r}")
+    state.cond = cond
+    state.segment += 1
+    cache = state.cache
+    cache.cross = {}
+    if mode != "recache" or state.latents is None:
+        return
+    causal = cache.config
+    end = state.num_frames
+    # LongLive's recache: re-run the last min(window, generated) frames under the new prompt, chunk by chunk;
+    # the first of them sees only the sink (what was before it is gone), later ones see the re-cached ones
+    needed_from = 0 if causal.local_window is None else max(0, end - causal.local_window)
+    chunks = []
+    for k in range(state.chunk_index):
+        s0, length = causal.chunk_start(k), causal.chunk_len(k)
+        in_window = s0 + length > needed_from
+        in_sink = s0 < causal.sink_frames
+        if in_window or (in_sink and not keep_sink):
+            chunks.append(k)
+    keep = (cache.frames < causal.sink_frames) if keep_sink else torch.zeros_like(cache.frames, dtype=torch.bool)
+    if keep_sink:  # sink frames recommitted anyway (inside the window) are replaced, not duplicated
+        for k in chunks:
+            s0, length = causal.chunk_start(k), causal.chunk_len(k)
+            keep &= ~((cache.frames >= s0) & (cache.frames < s0 + length))
+    cache.keep_groups(keep)
+    device = state.latents.device
+    for k in chunks:
+        s0, length = causal.chunk_start(k), causal.chunk_len(k)
+        x = _frames(state.latents, s0, s0 + length, state.frame_dim)
+        sigma = torch.full((state.batch_size,), context_noise, device=device, dtype=x.dtype)
+        if context_noise > 0:
+            eps = chunk_noise(state, _frame_shape(x, state.frame_dim), k, 10_000, length, device, x.dtype)
+            x = _renoise(x, context_noise, eps)
+        cache.end_frame = s0
+        generator.commit(x, sigma, cond, cache)
+    cache.end_frame = end
+
+
+def _frame_shape(x: torch.Tensor, frame_dim: int) -> tuple[int, ...]:
+    shape = list(x.shape[1:])
+    del shape[frame_dim - 1]
+    return tuple(shape)
+
+
+def sample_exit_step(num_steps: int, seed: int, iteration: int, mode: Literal["uniform", "last"] = "uniform",
+                     broadcast: Callable[[int], int] | None = None, rank: int = 0) -> int:
+    """The Self-Forcing exit step, identical on every rank (ar_distill.md section 1.1, steps 2 and 3).
+
+    Rank 0 draws s ~ U{0..S-1} (``"uniform"``; ``"last"`` gives S - 1) from (seed, iteration); other ranks draw
+    from their own stream and take rank 0's value through ``broadcast`` (e.g. ``trainer.strategy.broadcast``),
+    so a broken broadcast shows up as disagreeing ranks instead of hiding behind a shared seed.
+
+    Raises:
+        ValueError: ``num_steps < 1`` or an unknown mode.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if mode not in ("uniform", "last"):
+        raise ValueError(f"exit mode must be 'uniform' or 'last', got {mode!r}")
+    if mode == "last":
+        value = num_steps - 1
+    else:
+        g = torch.Generator().manual_seed(mix_seed(seed, iteration, rank, 0xE817))
+        value = int(torch.randint(num_steps, (1,), generator=g))
+    return int(broadcast(value)) if broadcast is not None else value
+
+
+def ar_rollout(
+    generator,
+    cond: Conditioning | None,
+    num_chunks: int,
+    frame_shape: Sequence[int],
+    schedule: ChunkSchedule,
+    seed: int = 0,
+    indices: Sequence[int] | torch.Tensor | None = None,
+    state: ARState | None = None,
+    grad: GradPolicy = "none",
+    exit_step: int | None = None,
+    grad_window_frames: int | None = None,
+    prompt_switches: dict[int, tuple[Conditioning, SwitchMode]] | None = None,
+    record: bool = False,
+    progress: bool = False,
+) -> ARResult:
+    """Generate ``num_chunks`` chunks with the causal ``generator``, starting fresh or from ``state``.
+
+    Args:
+        generator: a causal generator (``init_cache``, ``velocity_chunk``, ``commit``, ``frame_dim``).
+        cond: B prompts' conditioning (None when continuing ``state``, which holds it).
+        num_chunks: chunks to generate in this call.
+        frame_shape: latent shape of one frame without the frame axis (DiT: (C, H, W); Wan: (C, h, w)).
+        schedule: the :class:`ChunkSchedule`.
+        seed, indices: noise addressing for a fresh state (indices default 0..B-1).
+        state: continue this state (modified in place and returned in the result).
+        grad: ``"none"``; ``"self_forcing"`` (only the exit step's forward of each chunk in the gradient window
+            carries a graph; that chunk's output is its x0 prediction at the exit step); ``"full"`` (every step;
+            small models only). Context passes never carry a graph.
+        exit_step: the exit index for ``"self_forcing"`` (from :func:`sample_exit_step`; default S - 1).
+        grad_window_frames: only chunks starting inside the last this-many frames of the video carry a graph
+            (Self-Forcing: 21); None = all chunks.
+        prompt_switches: ``{chunk index: (conditioning, mode)}`` applied before that chunk (absolute index).
+        record: return the per-chunk trajectory (detached, on CPU).
+        progress: show a progress bar over chunks.
+    Returns:
+        :class:`ARResult`.
+    Raises:
+        ValueError: neither ``cond`` nor ``state``, an unknown gradient policy, an exit step out of range.
+    """
+    if grad not in ("none", "self_forcing", "full"):
+        raise ValueError(f"grad must be 'none', 'self_forcing' or 'full', got {grad!r}")
+    steps = schedule.num_steps
+    if grad == "self_forcing":
+        exit_step = steps - 1 if exit_step is None else int(exit_step)
+        if not 0 <= exit_step < steps:
+            raise ValueError(f"exit_step {exit_step} is outside 0..{steps - 1}")
+    else:
+        exit_step = None
+    if state is None:
+        if cond is None:
+            raise ValueError("ar_rollout needs cond for a fresh rollout (or a state to continue)")
+        state = new_state(generator, cond, schedule.causal, seed, indices)
+    elif cond is not None and cond is not state.cond:
+        raise ValueError("pass either cond (fresh rollout) or state (continuation); use switch_prompt to change it")
+    causal = state.cache.config
+    device = generator.device
+    sig = schedule.sigmas().tolist()
+    fd = state.frame_dim
+    n = state.batch_size
+    dtype = step_dtype(generator)
+    start_chunk = state.chunk_index
+    end_frame = causal.chunk_start(start_chunk + num_chunks)
+    grad_from = 0 if grad_window_frames is None else end_frame - grad_window_frames
+    outputs, trajectory, grad_frames = [], [] if record else None, []
+    chunks = range(start_chunk, start_chunk + num_chunks)
+    if progress:
+        from rich.progress import track
+
+        chunks = track(chunks, description="chunks")
+    for k in chunks:
+        if prompt_switches and k in prompt_switches:
+            new_cond, mode = prompt_switches[k]
+            switch_prompt(generator, state, new_cond, mode, context_noise=schedule.context_noise)
+        s0, length = causal.chunk_start(k), causal.chunk_len(k)
+        if state.cache.end_frame != s0:
+            raise ValueError(f"state is at latent frame {state.cache.end_frame}, chunk {k} starts at {s0}")
+        chunk_grad = grad != "none" and s0 >= grad_from
+        x = chunk_noise(state, frame_shape, k, 0, length, device, dtype)
+        rec = {"x": [], "x0": [], "noise": [x.detach().cpu()], "chunk": k, "start_frame": s0} if record else None
+        out = None
+        last = steps - 1 if exit_step is None else exit_step
+        for j in range(last + 1):
+            with_graph = chunk_grad and (grad == "full" or j == last)
+            s = torch.full((n,), sig[j], device=device, dtype=dtype)
+            with torch.set_grad_enabled(with_graph):
+                v = generator.velocity_chunk(x, s, state.cond, state.cache)
+                v = v.to(dtype)  # step math in float32 (float64 for a float64 model)
+                x0 = x.to(v.dtype) - sig[j] * v
+            if record:
+                rec["x"].append(x.detach().cpu())
+                rec["x0"].append(x0.detach().cpu())
+            if j == last:
+                out = x0
+                break
+            if schedule.kernel == "consistency":
+                eps = chunk_noise(state, frame_shape, k, j + 1, length, device, dtype)
+                if record:
+                    rec["noise"].append(eps.detach().cpu())
+                x = _renoise(x0 if grad == "full" else x0.detach(), sig[j + 1], eps.to(x0.dtype))
+            else:
+                x = x.to(v.dtype) + (sig[j + 1] - sig[j]) * (v if grad == "full" else v.detach())
+        clean = out.detach()
+        ctx_sigma = schedule.context_noise
+        ctx = clean
+        if ctx_sigma > 0:
+            eps = chunk_noise(state, frame_shape, k, steps + 1, length, device, dtype)
+            ctx = _renoise(clean, ctx_sigma, eps)
+        generator.commit(ctx, torch.full((n,), ctx_sigma, device=device, dtype=clean.dtype), state.cond, state.cache)
+        state.latents = clean if state.latents is None else torch.cat([state.latents, clean], dim=fd)
+        state.chunk_index = k + 1
+        outputs.append(out if chunk_grad else clean)
+        grad_frames.append(torch.full((n, length), bool(chunk_grad and out.requires_grad)))
+        if record:
+            trajectory.append({"x": torch.stack(rec["x"]), "x0": torch.stack(rec["x0"]),
+                               "noise": torch.stack(rec["noise"]), "sigmas": torch.tensor(sig[: last + 1] + [0.0]),
+                               "chunk": k, "start_frame": s0})
+    latents = torch.cat(outputs, dim=fd)
+    sigma_from = sig[exit_step] if exit_step is not None else None
+    sigma_to = sig[exit_step + 1] if exit_step is not None else None
+    return ARResult(latents=latents, grad_mask=torch.cat(grad_frames, dim=1), exit_step=exit_step,
+                    sigma_from=sigma_from, sigma_to=sigma_to, trajectory=trajectory, state=state)
+
+
+def frames_to_chunks(num_frames: int, causal: CausalConfig) -> int:
+    """Number of chunks of ``num_frames`` latent frames (raises ValueError off a chunk boundary)."""
+    return causal.num_chunks(num_frames)
+
+
+def stream_positions_bound(causal: CausalConfig) -> float:
+    """Largest temporal position a query can get in ``"relative"`` mode (sink + window frames), or inf in
+    ``"absolute"`` mode or without a window."""
+    if causal.positions == "absolute" or causal.local_window is None:
+        return math.inf
+    return causal.sink_frames + causal.local_window

@@ -1,0 +1,345 @@
+"""Causal chunk-wise generation with a KV cache (ar_distill.md section 4.1 items 7-9, 11; tempact.md section 3):
+cache == block-causal full forward (also with window + sink eviction and RoPE offsets), causality, fork,
+prompt switch, Self-Forcing truncation and the rank-0 exit step, on a tiny float64 DiT."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from genrl.models.causal import CausalConfig, KVCache, frame_visibility
+from genrl.models.dit import VideoDiT
+from genrl.models.generator import DiTGenerator
+from genrl.models.text_encoder import Conditioning
+from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, fork, sample_exit_step, switch_prompt
+
+C, H, W = 4, 4, 4
+FRAME = (C, H, W)
+
+
+class _HashEncoder(torch.nn.Module):
+    """Deterministic per-prompt text states (float64 [B, 5, 8]); stands in for a text encoder."""
+
+    hidden_size = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, prompts):
+        states = []
+        for p in prompts:
+            seed = int(hashlib.sha256(p.encode()).hexdigest()[:8], 16)
+            states.append(torch.randn(5, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+        return Conditioning(torch.stack(states), torch.ones(len(prompts), 5, dtype=torch.bool), list(prompts))
+
+
+def _dit(rope: int = 0, seed: int = 0) -> VideoDiT:
+    torch.manual_seed(seed)
+    m = VideoDiT(in_channels=C, patch_size=(2, 2, 2), hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=8,
+                 causal_chunk_size=2, rope_temporal_dim=rope).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.2)  # non-zero output layers: outputs depend on everything they may see
+    return m.eval()
+
+
+def _gen(rope: int = 0) -> DiTGenerator:
+    return DiTGenerator(_dit(rope), _HashEncoder())
+
+
+LAYOUTS = {
+    "plain": CausalConfig(2),
+    "first_chunk_4": CausalConfig(2, first_chunk_size=4),
+    "window_sink": CausalConfig(2, local_window=4, sink_frames=2),
+    "window_no_sink_relative": CausalConfig(2, local_window=4, sink_frames=0, positions="relative"),
+    "window_sink_first_chunk": CausalConfig(2, first_chunk_size=4, local_window=6, sink_frames=4),
+}
+
+
+def _text(b=2):
+    return torch.randn(b, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+
+# cache-relative positions equal absolute ones only for a rotary (relative) position code, hence rope 8 there
+@pytest.mark.parametrize("name,rope", [(n, r) for n in LAYOUTS for r in (0, 8) if r or LAYOUTS[n].positions == "absolute"])
+def test_kv_cache_equals_block_causal_full_forward(name, rope):
+    cfg = LAYOUTS[name]
+    m = _dit(rope)
+    b, t = 2, 14
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randn(b, t, C, H, W, dtype=torch.float64, generator=g)
+    noisy = torch.randn(b, t, C, H, W, dtype=torch.float64, generator=g)
+    text = _text(b)
+    cache = KVCache(cfg, b, patch_frames=2)
+    commits = []
+    k = 0
+    while cfg.chunk_start(k) < t:
+        s0, n = cfg.chunk_start(k), cfg.chunk_len(k)
+        sig = torch.full((b,), 0.7, dtype=torch.float64)
+        v = m(noisy[:, s0:s0 + n], sig, text, attention="block_causal", causal=cfg, start_frame=s0, kv_cache=cache)
+        seq = torch.cat([clean[:, :s0], noisy[:, s0:s0 + n]], 1)
+        sig_seq = torch.cat([torch.zeros(b, s0, dtype=torch.float64), sig[:, None].expand(b, n)], 1)
+        ref = m(seq, sig_seq, text, attention="block_causal", causal=cfg)[:, s0:]
+        assert torch.allclose(v, ref, atol=1e-11, rtol=0), (name, k, (v - ref).abs().max())
+        commits.append(m(clean[:, s0:s0 + n], torch.zeros(b, dtype=torch.float64), text, attention="block_causal",
+                         causal=cfg, start_frame=s0, kv_cache=cache, commit=True))
+        k += 1
+    # the commit passes equal one block-causal forward over the clean sequence
+    full_clean = m(clean, torch.zeros(b, dtype=torch.float64), text, attention="block_causal", causal=cfg)
+    assert torch.allclose(torch.cat(commits, 1), full_clean, atol=1e-11, rtol=0)
+    if cfg.local_window is not None:  # eviction really happened: only sink + window groups are kept
+        kept = cache.frames.tolist()
+        assert len(kept) < t // 2 and all(f < cfg.sink_frames or f >= t + cfg.chunk_size - cfg.local_window for f in kept)
+        assert cache.keys[0].shape[2] == len(kept) * cache.tokens_per_group
+
+
+def test_relative_positions_stay_bounded_and_differ_from_absolute_with_a_sink():
+    """Relative mode re-positions the sink next to the window, so with a sink it is a different (bounded) code."""
+    cfg_abs = CausalConfig(2, local_window=4, sink_frames=2)
+    cfg_rel = CausalConfig(2, local_window=4, sink_frames=2, positions="relative")
+    m = _dit(rope=8)
+    text, b = _text(), 2
+    x = torch.randn(b, 12, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for name, cfg in (("abs", cfg_abs), ("rel", cfg_rel)):
+        cache = KVCache(cfg, b, patch_frames=2)
+        for k in range(6):
+            outs[name, k] = m(x[:, 2 * k:2 * k + 2], torch.zeros(b, dtype=torch.float64), text, attention="block_causal",
+                              causal=cfg, start_frame=2 * k, kv_cache=cache, commit=True)
+    for k in range(3):  # before anything is evicted the sink is adjacent to the window: identical
+        assert torch.allclose(outs["abs", k], outs["rel", k], atol=1e-11)
+    assert not torch.allclose(outs["abs", 5], outs["rel", 5], atol=1e-6)
+    _, q_pos = m._attention_context("block_causal", cfg_rel, 10, None, False, 1, 4, "cpu", None)
+    assert int(q_pos.max()) < (cfg_rel.sink_frames + cfg_rel.local_window) // 2 + 1
+
+
+def test_rope_offsets_shift_invariance():
+    """A chunk run at absolute start offset s equals the same chunk at offset 0 when everything it sees moves with it
+    (rotary positions are relative): positions beyond the trained length do not change attention patterns."""
+    m = _dit(rope=8)
+    cfg = CausalConfig(2)
+    text = _text()
+    x = torch.randn(2, 6, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    sig = torch.rand(2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).repeat_interleave(2, 1)
+    a = m(x, sig, text, attention="block_causal", causal=cfg, start_frame=0)
+    b = m(x, sig, text, attention="block_causal", causal=cfg, start_frame=20)
+    assert torch.allclose(a, b, atol=1e-11)
+    m0 = _dit(rope=0)  # the additive sin-cos code is absolute: an offset changes the output
+    assert not torch.allclose(m0(x, sig, text, attention="block_causal", causal=cfg, start_frame=0),
+                              m0(x, sig, text, attention="block_causal", causal=cfg, start_frame=20), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["plain", "window_sink"])
+def test_block_causal_forward_is_causal(name):
+    cfg = LAYOUTS[name]
+    m = _dit()
+    text = _text()
+    x = torch.randn(2, 12, C, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    sig = torch.full((2,), 0.5, dtype=torch.float64)
+    base = m(x, sig, text, attention="block_causal", causal=cfg)
+    k_end = 6  # chunks 0..2
+    y = x.clone()
+    y[:, k_end:] += 1.0
+    out = m(y, sig, text, attention="block_causal", causal=cfg)
+    assert torch.allclose(out[:, :k_end], base[:, :k_end], atol=1e-12)
+    z = x.clone()
+    z[:, 4] += 1.0  # one frame of chunk 2 changes every frame of chunk 2
+    out = m(z, sig, text, attention="block_causal", causal=cfg)
+    assert all((out[:, f] - base[:, f]).abs().max() > 1e-6 for f in (4, 5))
+    if cfg.local_window is not None:
+        # frames 2-3 are outside sink (0-1) and window of chunk 5 (frames 8-11 for W=4): no influence there
+        w = x.clone()
+        w[:, 2:4] += 1.0
+        out = m(w, sig, text, attention="block_causal", causal=cfg)
+        assert torch.allclose(out[:, 10:], base[:, 10:], atol=1e-12)
+        assert (out[:, 4:6] - base[:, 4:6]).abs().max() > 1e-6
+
+
+def test_frame_visibility_rule():
+    cfg = CausalConfig(2, first_chunk_size=1, local_window=4, sink_frames=1)
+    f = torch.arange(9)
+    vis = frame_visibility(cfg, f, f)
+    # chunks: [0], [1, 2], [3, 4], [5, 6], [7, 8]; query 7 (chunk end 9) sees sink 0 and frames 5..8
+    assert vis[7].nonzero().flatten().tolist() == [0, 5, 6, 7, 8]
+    assert vis[1].nonzero().flatten().tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="local_window"):
+        CausalConfig(3, local_window=2)
+    with pytest.raises(ValueError, match="multiple of the model's temporal patch"):
+        CausalConfig(3).check_patch(2)
+
+
+SCHEDULE = dict(timesteps=[1000, 750, 500, 250], shift=3.0)
+
+
+def _schedule(cfg=None, **kw):
+    return ChunkSchedule(causal=cfg or CausalConfig(2, local_window=4, sink_frames=2), **{**SCHEDULE, **kw})
+
+
+def test_rollout_chunks_are_causal_and_continuation_is_exact():
+    gen = _gen(rope=8)
+    sch = _schedule()
+    cond = gen.encode_prompts(["a red circle", "a blue square"])
+    full = ar_rollout(gen, cond, 6, FRAME, sch, seed=3)
+    short = ar_rollout(gen, cond, 3, FRAME, sch, seed=3)
+    assert torch.equal(full.latents[:, :6], short.latents)
+    rest = ar_rollout(gen, None, 3, FRAME, sch, state=short.state)
+    assert torch.equal(torch.cat([short.latents, rest.latents], 1), full.latents)
+    assert full.latents.shape == (2, 12, C, H, W) and full.latents.dtype == torch.float64
+    assert short.state.chunk_index == 6 and short.state.num_frames == 12
+    other = ar_rollout(gen, cond, 6, FRAME, sch, seed=4)  # other noise changes the video
+    assert not torch.allclose(other.latents, full.latents)
+
+
+def test_fork_is_bitwise_and_forks_never_alias():
+    gen = _gen(rope=8)
+    sch = _schedule(context_noise=0.1)
+    cond = gen.encode_prompts(["a red circle", "a blue square"])
+    straight = ar_rollout(gen, cond, 5, FRAME, sch, seed=9)
+    prefix = ar_rollout(gen, cond, 2, FRAME, sch, seed=9)
+    snapshot = [k.clone() for k in prefix.state.cache.keys]
+    forks = fork(prefix.state, 3)
+    cont = ar_rollout(gen, None, 3, FRAME, sch, state=forks[0])
+    assert torch.equal(torch.cat([prefix.latents, cont.latents], 1), straight.latents)
+    # writing into fork 0 (3 more chunks) changed neither the other forks nor the original state
+    for other in (forks[1], forks[2], prefix.state):
+        assert all(torch.equal(a, b) for a, b in zip(other.cache.keys, snapshot))
+        assert other.cache.end_frame == 4 and other.chunk_index == 2 and other.num_frames == 4
+    a, b = forks[1].cache, forks[2].cache
+    assert a.keys is not b.keys and a.cross is not b.cross and a.frames is not b.frames
+    assert all(x.data_ptr() != y.data_ptr() for x, y in zip(a.keys, b.keys))
+    # a fork given other sample indices continues differently
+    alt = fork(prefix.state, 1, indices=[[100, 101]])[0]
+    assert not torch.allclose(ar_rollout(gen, None, 3, FRAME, sch, state=alt).latents, cont.latents)
+
+
+@pytest.mark.parametrize("mode", ["swap", "crossattn_reset", "recache"])
+def test_prompt_switch_leaves_earlier_chunks_and_changes_later_ones(mode):
+    gen = _gen(rope=8)
+    sch = _schedule()
+    cond = gen.encode_prompts(["a red circle", "a blue square"])
+    new = gen.encode_prompts(["a green triangle", "a cyan circle"])
+    base = ar_rollout(gen, cond, 5, FRAME, sch, seed=2)
+    switched = ar_rollout(gen, cond, 5, FRAME, sch, seed=2, prompt_switches={3: (new, mode)})
+    assert torch.equal(switched.latents[:, :6], base.latents[:, :6])
+    assert not torch.allclose(switched.latents[:, 6:], base.latents[:, 6:])
+    assert switched.state.segment == 1 and switched.state.cond.prompts == new.prompts
+
+
+def test_recache_rebuilds_the_window_under_the_new_prompt_and_keeps_the_sink():
+    gen = _gen(rope=8)
+    cfg = CausalConfig(2, local_window=4, sink_frames=2)
+    sch = _schedule(cfg)
+    cond = gen.encode_prompts(["a red circle", "a blue square"])
+    new = gen.encode_prompts(["a green triangle", "a cyan circle"])
+    out = ar_rollout(gen, cond, 4, FRAME, sch, seed=5)
+    state = out.state
+    sink_k = [k[:, :, : state.cache.tokens_per_group].clone() for k in state.cache.keys]
+    switch_prompt(gen, state, new, "recache", keep_sink=True)
+    cache = state.cache
+    assert cache.frames.tolist() == [0, 6] and cache.end_frame == 8
+    assert all(torch.equal(k[:, :, : cache.tokens_per_group], s) for k, s in zip(cache.keys, sink_k))
+    # LongLive's recache: the last W = 4 frames (chunks 2, 3) are re-committed under the new prompt after the kept
+    # sink (chunk 0, old prompt); chunk 1 is gone
+    ref = KVCache(cfg, 2, patch_frames=2)
+    for k in (0, 2, 3):
+        x = state.latents[:, 2 * k:2 * k + 2]
+        ref.end_frame = 2 * k
+        gen.commit(x, torch.zeros(2, dtype=x.dtype), cond if k == 0 else new, ref)
+    assert ref.frames.tolist() == [0, 6]
+    for a, b in zip(cache.keys, ref.keys):
+        assert torch.allclose(a, b, atol=1e-12)
+    # without keep_sink the sink is rebuilt under the new prompt too
+    state2 = ar_rollout(gen, cond, 4, FRAME, sch, seed=5).state
+    switch_prompt(gen, state2, new, "recache", keep_sink=False)
+    tpg = state2.cache.tokens_per_group
+    assert state2.cache.frames.tolist() == [0, 6]
+    assert not torch.allclose(state2.cache.keys[-1][:, :, :tpg], sink_k[-1])
+
+
+def test_self_forcing_truncation_only_exit_step_carries_a_graph():
+    gen = _gen()
+    gen.transformer.train()
+    sch = _schedule(CausalConfig(2))
+    cond = gen.encode_prompts(["a red circle", "a blue square"])
+    calls = []
+    inner = gen.velocity_chunk
+
+    def spy(x, sigma, c, cache):
+        calls.append(torch.is_grad_enabled())
+        return inner(x, sigma, c, cache)
+
+    gen.velocity_chunk = spy
+    out = ar_rollout(gen, cond, 4, FRAME, sch, seed=1, grad="self_forcing", exit_step=2, grad_window_frames=4)
+    # 4 chunks x 3 steps (0, 1, exit 2); a graph only at the exit step of the 2 chunks inside the last 4 frames
+    assert calls == [False, False, False] * 2 + [False, False, True] * 2
+    assert out.grad_mask[0].tolist() == [False] * 4 + [True] * 4
+    assert out.latents.requires_grad and out.exit_step == 2
+    assert out.sigma_from == pytest.approx(sch.sigmas()[2].item()) and out.sigma_to == pytest.approx(sch.sigmas()[3].item())
+    assert not any(t.requires_grad for t in out.state.cache.keys + out.state.cache.values)
+    out.latents.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in gen.transformer.parameters())
+    # frames outside the gradient window contribute nothing
+    for p in gen.transformer.parameters():
+        p.grad = None
+    out2 = ar_rollout(gen, cond, 4, FRAME, sch, seed=1, grad="self_forcing", exit_step=2, grad_window_frames=4)
+    out2.latents[:, :4].sum().backward()
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in gen.transformer.parameters())
+    with pytest.raises(ValueError, match="exit_step"):
+        ar_rollout(gen, cond, 1, FRAME, sch, grad="self_forcing", exit_step=4)
+
+
+def _exit_step_worker(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def broadcast(value):
+        obj = [value]
+        dist.broadcast_object_list(obj, src=0)
+        return obj[0]
+
+    steps = [sample_exit_step(4, seed=0, iteration=it, broadcast=broadcast, rank=rank) for it in range(16)]
+    local = [sample_exit_step(4, seed=0, iteration=it, rank=rank) for it in range(16)]
+    queue.put((rank, steps, local))
+    dist.destroy_process_group()
+
+
+def test_exit_step_is_identical_across_two_ranks():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_exit_step_worker, args=(r, 2, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (s, loc)) for r, s, loc in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert results[0][0] == results[1][0]  # broadcast: identical
+    assert results[0][1] != results[1][1]  # without it the ranks would disagree (the test can fail)
+    assert set(results[0][0]) == {0, 1, 2, 3}
+    assert sample_exit_step(4, 0, 0, mode="last") == 3
+
+
+def test_errors_name_the_problem():
+    gen = _gen()
+    sch = _schedule()
+    cond = gen.encode_prompts(["a", "b"])
+    with pytest.raises(ValueError, match="descending"):
+        ChunkSchedule(timesteps=[250, 500])
+    with pytest.raises(ValueError, match="kv_cache ends|KV cache ends"):
+        cache = gen.init_cache(2, CausalConfig(2))
+        gen.transformer(torch.zeros(2, 2, C, H, W, dtype=torch.float64), torch.zeros(2), cond.hidden_states,
+                        attention="block_causal", causal=CausalConfig(2), start_frame=4, kv_cache=cache)
+    with pytest.raises(ValueError, match="needs cond"):
+        ar_rollout(gen, None, 1, FRAME, sch)
+    with pytest.raises(ValueError, match="do not split into chunks"):
+        CausalConfig(2, first_chunk_size=4).num_chunks(7)
