@@ -26,17 +26,26 @@ class EMA(Callback):
         update_every: optimizer steps between updates.
         warmup: use the (1 + t) / (10 + t) warm-up of the decay.
         validate_with_ema: swap the EMA weights in during validation.
+        include: only parameters whose name starts with this prefix (e.g. ``"generator."``: the student of DMD,
+            not its critic); None = every trainable parameter.
+        start_step: first global step at which the average starts (Self-Forcing creates its EMA at step 200);
+            before it the shadow follows the raw weights.
     Raises:
-        ValueError: decay outside [0, 1) or update_every < 1.
+        ValueError: decay outside [0, 1), update_every < 1 or start_step < 0.
     """
 
     def __init__(
-        self, decay: float = 0.999, update_every: int = 1, warmup: bool = True, validate_with_ema: bool = True
+        self, decay: float = 0.999, update_every: int = 1, warmup: bool = True, validate_with_ema: bool = True,
+        include: str | None = None, start_step: int = 0,
     ) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
         if update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {update_every}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.include = include
+        self.start_step = start_step
         self.decay = decay
         self.update_every = update_every
         self.warmup = warmup
@@ -47,9 +56,9 @@ class EMA(Callback):
         self._swapped = False
 
     # ---------------------------------------------------------------- state
-    @staticmethod
-    def _trainable(pl_module: LightningModule) -> dict[str, torch.nn.Parameter]:
-        return {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
+    def _trainable(self, pl_module: LightningModule) -> dict[str, torch.nn.Parameter]:
+        prefix = self.include or ""
+        return {n: p for n, p in pl_module.named_parameters() if p.requires_grad and n.startswith(prefix)}
 
     def _ensure(self, pl_module: LightningModule) -> None:
         if self.shadow:
@@ -86,6 +95,10 @@ class EMA(Callback):
         if trainer.global_step % self.update_every:
             return
         self._ensure(pl_module)
+        if trainer.global_step < self.start_step:  # not started: the shadow tracks the raw weights
+            for n, p in self._trainable(pl_module).items():
+                self.shadow[n].copy_(p.detach().float())
+            return
         d = self.current_decay()
         for n, p in self._trainable(pl_module).items():
             self.shadow[n].lerp_(p.detach().float(), 1.0 - d)

@@ -1,7 +1,9 @@
 """One LightningModule per method; methods compose the shared sampler, losses and rewards."""
 
 from genrl.methods.branch_grpo import BranchGRPO
+from genrl.methods.dmd import DMD
 from genrl.methods.grpo import GRPO, LoraSpec
+from genrl.methods.ode_init import ODEInit
 from genrl.methods.pretrain import FlowMatchingPretrain
 
-__all__ = ["BranchGRPO", "FlowMatchingPretrain", "GRPO", "LoraSpec"]
+__all__ = ["BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit"]

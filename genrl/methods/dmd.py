@@ -1,0 +1,336 @@
+"""DMD with Self-Forcing rollouts: the distillation baseline for causal, chunk-wise few-step video students.
+
+Three roles (ar_distill.md section 1.3): the causal student G (``generator``, trained), the real score (the frozen
+bidirectional ``teacher``, CFG in the standard form with a cached negative-prompt embedding) and the fake score
+(the ``critic``, bidirectional, trained with the flow-matching loss on the student's samples). Each generator
+update rolls the student out with the shared autoregressive sampler under the Self-Forcing gradient policy (one
+exit step shared by all chunks, drawn on rank 0 and broadcast; only that forward carries a graph; Huang et al.
+2025, sec. 3.2-3.3), noises the result at a shifted, clamped timestep and follows the DMD gradient
+g = (x0_fake - x0_real) / mean|x - x0_real| (Yin et al. 2024, DMD eq. 7-8; DMD2, Yin et al. 2024b). The critic is
+updated on every optimizer step, the generator on every ``critic_updates_per_generator_update``-th one (DMD2's
+two time-scale rule) — counted in optimizer steps, so the cadence is right under gradient accumulation.
+
+Optimization is manual with two optimizers (generator first, critic second). ``trainer.max_steps`` counts
+optimizer steps of *both* networks (Lightning counts every ``optimizer.step``): N iterations take
+N * (1 + 1 / ratio) steps. Everything random is addressed by (seed, iteration, sample index), so a resumed run
+repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+
+from genrl.flow import add_noise, x0_from_velocity
+from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sample_dmd_sigma, sid_loss
+from genrl.flow.guidance import cfg_combine
+from genrl.methods.common import ensure_reward_manager, restore_reward_state, save_reward_state, stash_reward_state
+from genrl.models.generator import DiTGenerator
+from genrl.models.spec import ModelSpec
+from genrl.models.text_encoder import MINILM, Conditioning, TextEncoder
+from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, sample_exit_step
+from genrl.rollout.noise import mix_seed, randn_per_sample, sample_generator
+
+__all__ = ["DMD", "ScoreRole"]
+
+_STREAM_DMD_NOISE = 21
+_STREAM_CRITIC_NOISE = 22
+
+
+class ScoreRole:
+    """A bidirectional score network (teacher or critic) evaluated through a generator's ``velocity``.
+
+    The generator supplies the input handling (layout, per-frame sigma, timestep = 1000 sigma) and the text
+    conditioning; the role supplies its own transformer, swapped in for the call. So a 14B teacher and a 1.3B
+    student share one text encoder and VAE.
+    """
+
+    def __init__(self, generator, transformer: torch.nn.Module) -> None:
+        self.generator = generator
+        self.transformer = transformer
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Bidirectional velocity of this role at ``x`` (generator layout), sigma [B] (or per frame)."""
+        live = self.generator.transformer
+        live_causal = getattr(self.generator, "causal", None)
+        self.generator.transformer = self.transformer
+        try:
+            return self.generator.velocity(x, sigma, cond, attention="bidirectional")
+        finally:
+            self.generator.transformer = live
+            if live_causal is not None:
+                self.generator.causal = live_causal
+
+
+class DMD(LightningModule):
+    """Self-Forcing DMD on genrl's DiT: a causal few-step student distilled from a bidirectional teacher.
+
+    Training batches are prompt batches (:class:`genrl.data.PromptDataModule`: ``{"prompts", "index", ...}``);
+    the method is data-free (the student's inputs come from its own rollouts).
+
+    Args:
+        transformer: the student (:class:`ModelSpec`; normally the ODE-initialised export, or the teacher's
+            folder: a bidirectional model becomes causal by its attention layout, weights unchanged).
+        teacher: the real score (default: the student's ``pretrained`` folder, i.e. the base model).
+        critic: the fake score's initial weights (default: the teacher's).
+        text_encoder / max_text_length: the DiT's prompt encoder.
+        schedule: the student's chunk layout and few-step list (:class:`ChunkSchedule`).
+        num_frames: latent frames per training rollout (a chunk boundary).
+        frame_shape: latent shape of one frame (C, H, W).
+        teacher_cfg_scale: the teacher's CFG scale w in the standard form (Self-Forcing's 3.0 is w = 4).
+        negative_prompt: the unconditional prompt of the teacher's CFG.
+        timestep_shift, min_timestep, max_timestep: the DMD timestep draw (shift 5, clamp [20, 980]).
+        critic_updates_per_generator_update: DMD2's ratio (5): the generator is updated on optimizer steps
+            0, r, 2r, ... of the critic.
+        generator_loss: ``"dmd"`` (DMD eq. 7-8) or ``"sid"`` (score identity distillation, alpha 1).
+        exit_mode: ``"uniform"`` (Self-Forcing) or ``"last"`` exit step.
+        grad_window_frames: chunks starting before the last this-many latent frames carry no graph (None = all).
+        accumulate_grad_batches: micro-batches per optimizer step (the cadence counts optimizer steps).
+        generator_optimizer / critic_optimizer: factories (Self-Forcing: AdamW lr 2e-6 / 4e-7, betas (0, 0.999)).
+        max_grad_norm: gradient-norm clip of both networks (10).
+        eval_schedule: sampler for validation (default: ``schedule``).
+        rewards / reward_combine: validation rewards (default: the shapes verifier).
+        seed: seed of all randomness.
+    """
+
+    def __init__(
+        self,
+        transformer: ModelSpec | None = None,
+        teacher: ModelSpec | None = None,
+        critic: ModelSpec | None = None,
+        text_encoder: str = MINILM,
+        max_text_length: int = 32,
+        schedule: ChunkSchedule | None = None,
+        num_frames: int = 8,
+        frame_shape: list[int] | None = None,
+        teacher_cfg_scale: float = 3.0,
+        negative_prompt: str = "",
+        timestep_shift: float = 5.0,
+        min_timestep: float = 20.0,
+        max_timestep: float = 980.0,
+        critic_updates_per_generator_update: int = 5,
+        generator_loss: Literal["dmd", "sid"] = "dmd",
+        exit_mode: Literal["uniform", "last"] = "uniform",
+        grad_window_frames: int | None = None,
+        accumulate_grad_batches: int = 1,
+        generator_optimizer: OptimizerCallable = torch.optim.AdamW,
+        critic_optimizer: OptimizerCallable = torch.optim.AdamW,
+        max_grad_norm: float = 10.0,
+        eval_schedule: ChunkSchedule | None = None,
+        rewards: list[dict[str, Any]] | None = None,
+        reward_combine: Literal["weighted_sum", "zscore_sum"] = "weighted_sum",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if critic_updates_per_generator_update < 1:
+            raise ValueError(f"critic_updates_per_generator_update must be >= 1, got {critic_updates_per_generator_update}")
+        if accumulate_grad_batches < 1:
+            raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
+        if generator_loss not in ("dmd", "sid"):
+            raise ValueError(f"generator_loss must be 'dmd' or 'sid', got {generator_loss!r}")
+        self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer"])
+        self.automatic_optimization = False
+        self.transformer_spec = transformer or ModelSpec(pretrained="assets/shapes-dit")
+        self.teacher_spec = teacher or ModelSpec(pretrained=self.transformer_spec.pretrained,
+                                                 subfolder=self.transformer_spec.subfolder,
+                                                 model_class=self.transformer_spec.model_class)
+        if self.teacher_spec.pretrained is None and not self.teacher_spec.config:
+            raise ValueError("DMD needs a teacher: give teacher.pretrained (or a student with pretrained weights)")
+        self.critic_spec = critic
+        self.schedule = schedule or ChunkSchedule()
+        self.eval_schedule = eval_schedule or self.schedule
+        self.schedule.causal.num_chunks(num_frames)  # raises off a chunk boundary
+        self.frame_shape = tuple(frame_shape or (3, 16, 16))
+        self.generator_factory, self.critic_factory = generator_optimizer, critic_optimizer
+        self.generator: DiTGenerator | None = None
+        self.critic: torch.nn.Module | None = None
+        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))  # optimizer steps of the critic
+        self.register_buffer("micro_step", torch.zeros((), dtype=torch.long))
+        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
+        self.rewards = None
+
+    # ------------------------------------------------------------------ construction
+    def configure_model(self) -> None:
+        if self.generator is not None:
+            return
+        encoder = TextEncoder.from_pretrained(self.hparams.text_encoder, max_length=self.hparams.max_text_length)
+        student = self.transformer_spec.build().train()
+        self.generator = DiTGenerator(student, encoder)
+        self.generator.causal = self.schedule.causal
+        teacher = self.teacher_spec.build().requires_grad_(False).eval()
+        critic = self.critic_spec.build() if self.critic_spec is not None else copy.deepcopy(teacher)
+        self.critic = critic.requires_grad_(True).train()
+        object.__setattr__(self, "_teacher", teacher)  # frozen, never checkpointed
+        self._negative: Conditioning | None = None
+
+    def setup(self, stage: str) -> None:
+        self.configure_model()
+        ensure_reward_manager(self)
+
+    def configure_optimizers(self):
+        gen_params = [p for p in self.generator.transformer.parameters() if p.requires_grad]
+        critic_params = [p for p in self.critic.parameters() if p.requires_grad]
+        return [self.generator_factory(gen_params), self.critic_factory(critic_params)]
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        save_reward_state(self, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        stash_reward_state(self, checkpoint)
+
+    # ------------------------------------------------------------------ roles
+    @property
+    def teacher(self) -> ScoreRole:
+        if self._teacher.device != self.device:
+            self._teacher.to(self.device)
+        return ScoreRole(self.generator, self._teacher)
+
+    def _negative_cond(self, n: int) -> Conditioning:
+        if self._negative is None or self._negative.hidden_states.device != self.device:
+            self._negative = self.generator.encode_prompts([self.hparams.negative_prompt])
+        return self._negative.select([0] * n)
+
+    @torch.no_grad()
+    def real_x0(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Teacher x0 prediction with CFG (standard form w) at x_t, sigma [B]."""
+        w = self.hparams.teacher_cfg_scale
+        teacher = self.teacher
+        v_c = teacher.velocity(x_t, sigma, cond).float()
+        if w != 1.0:
+            v_u = teacher.velocity(x_t, sigma, self._negative_cond(x_t.shape[0])).float()
+            v_c = cfg_combine(v_c, v_u, w)
+        return x0_from_velocity(x_t.float(), sigma, v_c)
+
+    def fake_x0(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """Critic x0 prediction (no CFG) at x_t, sigma [B]."""
+        v = ScoreRole(self.generator, self.critic).velocity(x_t, sigma, cond).float()
+        return x0_from_velocity(x_t.float(), sigma, v)
+
+    def _world(self) -> tuple[int, int, Any]:
+        if self._trainer is None:
+            return 0, 1, None
+        strategy = self.trainer.strategy
+        return self.trainer.global_rank, self.trainer.world_size, (strategy.broadcast if self.trainer.world_size > 1 else None)
+
+    def student_rollout(self, cond: Conditioning, indices: torch.Tensor, seed: int, grad: bool):
+        """Student videos (latents) for ``cond`` with the Self-Forcing gradient policy when ``grad``."""
+        rank, _, broadcast = self._world()
+        exit_step = sample_exit_step(self.schedule.num_steps, self.hparams.seed, int(self.iteration),
+                                     self.hparams.exit_mode, broadcast=broadcast, rank=rank) if grad else None
+        causal = self.schedule.causal
+        return ar_rollout(self.generator, cond, causal.num_chunks(self.hparams.num_frames), self.frame_shape,
+                          self.schedule, seed=seed, indices=indices, grad="self_forcing" if grad else "none",
+                          exit_step=exit_step, grad_window_frames=self.hparams.grad_window_frames)
+
+    def _noised(self, x: torch.Tensor, indices: torch.Tensor, it: int, stream: int):
+        """(sigma [B], eps, x_sigma) for DMD / critic noising; sample i's draws depend only on (seed, it, i), so a
+        batch split into accumulated micro-batches sees the same values."""
+        seed = mix_seed(self.hparams.seed, it)
+        sigma = torch.cat([
+            sample_dmd_sigma(1, sample_generator(seed, int(i), 0, stream), self.hparams.timestep_shift,
+                             self.hparams.min_timestep, self.hparams.max_timestep)
+            for i in indices
+        ]).to(x.device)
+        eps = randn_per_sample(x.shape[1:], seed, indices, step=1, stream=stream, device=x.device)
+        return sigma, eps, add_noise(x.detach().float(), eps, sigma)
+
+    # ------------------------------------------------------------------ losses
+    def generator_loss(self, cond: Conditioning, indices: torch.Tensor, it: int) -> dict[str, torch.Tensor]:
+        """One Self-Forcing rollout and the DMD (or SiD) loss; returns {"loss", "grad_norm_g", "exit_step"}."""
+        out = self.student_rollout(cond, indices, mix_seed(self.hparams.seed, it, 1), grad=True)
+        x = out.latents
+        sigma, _, x_t = self._noised(x, indices, it, _STREAM_DMD_NOISE)
+        with torch.no_grad():
+            x0_fake = self.fake_x0(x_t, sigma, cond)
+            x0_real = self.real_x0(x_t, sigma, cond)
+        mask = out.grad_mask.to(x.device)
+        if not bool(mask.any()):
+            raise RuntimeError("the Self-Forcing rollout produced no frame with a graph; check grad_window_frames")
+        if self.hparams.generator_loss == "dmd":
+            g = dmd_gradient(x, x0_fake, x0_real, mask=mask)
+            loss = dmd_loss(x, g, mask=mask)
+        else:
+            g = dmd_gradient(x, x0_fake, x0_real, mask=mask)
+            loss = sid_loss(x, x0_fake, x0_real, mask=mask)
+        return {"loss": loss, "g_norm": g.float().pow(2).mean().sqrt(), "exit_step": torch.tensor(float(out.exit_step))}
+
+    def critic_step_loss(self, cond: Conditioning, indices: torch.Tensor, it: int) -> dict[str, torch.Tensor]:
+        """A fresh no-grad rollout and the critic's flow-matching loss on it."""
+        with torch.no_grad():
+            x = self.student_rollout(cond, indices, mix_seed(self.hparams.seed, it, 2), grad=False).latents.float()
+        sigma, eps, x_t = self._noised(x, indices, it, _STREAM_CRITIC_NOISE)
+        v = ScoreRole(self.generator, self.critic).velocity(x_t, sigma, cond)
+        return {"loss": critic_loss(v, x, eps)}
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        restore_reward_state(self)
+        prompts, indices = list(batch["prompts"]), batch["index"].cpu()
+        acc = self.hparams.accumulate_grad_batches
+        micro = int(self.micro_step)
+        it = int(self.iteration)
+        first, last = micro % acc == 0, micro % acc == acc - 1
+        gen_turn = it % self.hparams.critic_updates_per_generator_update == 0
+        opt_g, opt_c = self.optimizers()
+        cond = self.generator.encode_prompts(prompts)
+        bs = len(prompts)
+        if gen_turn:
+            if first:
+                opt_g.zero_grad()
+            out = self.generator_loss(cond, indices, it)
+            self._check_finite(out["loss"], "generator")
+            self.manual_backward(out["loss"] / acc)
+            self.log("train/generator_loss", out["loss"].detach().float(), batch_size=bs)
+            self.log("train/dmd_grad_rms", out["g_norm"], batch_size=bs)
+            self.log("train/exit_step", out["exit_step"], batch_size=bs)
+        if first:
+            opt_c.zero_grad()
+        out_c = self.critic_step_loss(cond, indices, it)
+        self._check_finite(out_c["loss"], "critic")
+        self.manual_backward(out_c["loss"] / acc)
+        self.log("train/critic_loss", out_c["loss"].detach().float(), prog_bar=True, batch_size=bs)
+        if last:
+            clip = self.hparams.max_grad_norm
+            if gen_turn:
+                if clip > 0:
+                    self.clip_gradients(opt_g, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+                opt_g.step()
+            if clip > 0:
+                self.clip_gradients(opt_c, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+            opt_c.step()
+            self.iteration += 1
+        self.micro_step += 1
+        self.log("train/iteration", float(self.iteration), batch_size=bs)
+
+    def _check_finite(self, loss: torch.Tensor, role: str) -> None:
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite {role} loss {loss.item()} at iteration {int(self.iteration)}; lower "
+                                     f"the {role} learning rate or check the teacher / critic weights")
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def generate(self, prompts: list[str], indices: torch.Tensor | None = None, schedule: ChunkSchedule | None = None,
+                 num_frames: int | None = None) -> torch.Tensor:
+        """Student videos (pixels [B, T, C, H, W] in [0, 1]) with the evaluation sampler."""
+        schedule = schedule or self.eval_schedule
+        n = num_frames or self.hparams.num_frames
+        cond = self.generator.encode_prompts(prompts)
+        out = ar_rollout(self.generator, cond, schedule.causal.num_chunks(n), self.frame_shape, schedule,
+                         seed=self.hparams.seed, indices=indices)
+        return self.generator.decode(out.latents)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> dict:
+        prompts = list(batch["prompts"])
+        videos = self.generate(prompts, batch["index"].cpu())
+        result = self.rewards(videos.float().cpu(), prompts)
+        for key, value in result.metrics().items():
+            if key != "total":
+                self.log(f"val/{key}", float(value), batch_size=len(prompts))
+        self.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
+                 prog_bar=True, batch_size=len(prompts))
+        return {"videos": videos, "prompts": prompts}
