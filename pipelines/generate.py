@@ -113,6 +113,39 @@ def _write_manifest(out: Path, records: list[dict]) -> None:
     _atomic_write(out / "manifest.jsonl", write)
 
 
+def _causal_schedule(gen, args, shift: float):
+    """The chunk-wise sampler's schedule: from the flags, else the one a causal checkpoint recorded, else None."""
+    from genrl.models.causal import CausalConfig
+    from genrl.rollout.autoregressive import ChunkSchedule
+
+    recorded = getattr(gen, "schedule", None)
+    if args.causal_chunk is None and recorded is None:
+        return None
+    if recorded is not None and args.causal_chunk is None:
+        causal = recorded.causal
+        if args.local_window is not None:
+            causal = CausalConfig(causal.chunk_size, causal.first_chunk_size, args.local_window, args.sink, args.positions)
+        return ChunkSchedule(causal=causal, timesteps=args.timesteps or recorded.timesteps,
+                             shift=recorded.shift if args.shift is None else shift, warp=recorded.warp,
+                             kernel=recorded.kernel, context_noise=recorded.context_noise)
+    causal = CausalConfig(args.causal_chunk, local_window=args.local_window, sink_frames=args.sink,
+                          positions=args.positions)
+    return ChunkSchedule(causal=causal, timesteps=args.timesteps or [1000.0, 750.0, 500.0, 250.0], shift=shift)
+
+
+def _causal_sample(gen, prompts, latent_shape, seed, indices, schedule):
+    """Latents of a causal student: chunk by chunk with the KV cache (genrl.rollout.autoregressive)."""
+    from genrl.rollout.autoregressive import ar_rollout
+
+    fd = getattr(gen, "frame_dim", 1)
+    frames = latent_shape[fd - 1]
+    frame_shape = tuple(v for i, v in enumerate(latent_shape) if i != fd - 1)
+    with torch.no_grad():
+        out = ar_rollout(gen, gen.encode_prompts(prompts), schedule.causal.num_chunks(frames), frame_shape, schedule,
+                         seed=seed, indices=indices)
+    return out.latents
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Generate mp4 videos / png images for prompts with a genrl generator.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -139,6 +172,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=None, help="samples per batch (DiT default 32, families 1)")
     p.add_argument("--fps", type=int, default=None, help="frame rate of the mp4s (DiT 8, Wan 16)")
+    p.add_argument("--causal-chunk", type=int, default=None,
+                   help="causal student: latent frames per chunk; generates chunk by chunk with a KV cache (a DMD / "
+                        "ODE-init checkpoint does this by itself with its training schedule)")
+    p.add_argument("--timesteps", type=float, nargs="+", default=None,
+                   help="causal student: the few-step list in [0, 1000] (default 1000 750 500 250), warped with --shift")
+    p.add_argument("--local-window", type=int, default=None, help="causal student: attention window in latent frames")
+    p.add_argument("--sink", type=int, default=0, help="causal student: sink frames kept with --local-window")
+    p.add_argument("--positions", choices=["absolute", "relative"], default="absolute",
+                   help="causal student: frame positions (relative keeps long streams inside the trained range)")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="family weights dtype (default: bfloat16 on cuda, else float32)")
     return p
@@ -186,8 +228,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         shift = getattr(gen, "default_shift_for_size", gen.default_shift) if args.shift is None else args.shift
         is_video = bool(gen.is_video)
         batch_default = 1
-    steps = args.steps or d["steps"]
+    schedule = _causal_schedule(gen, args, shift)
+    steps = schedule.num_steps if schedule is not None else (args.steps or d["steps"])
     cfg_scale = d["cfg_scale"] if args.cfg_scale is None else args.cfg_scale
+    if schedule is not None:
+        cfg_scale = 1.0  # a distilled causal student samples without CFG
     fps = args.fps or d["fps"] or 8
     batch_size = args.batch_size or batch_default
     config = RolloutConfig(kernel="ode", num_steps=steps, shift=shift, cfg_scale=cfg_scale,
@@ -195,7 +240,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ext = "mp4" if is_video else "png"
     settings = dict(model=str(args.model), kind=kind, ema=gen.load_info["ema"], lora=gen.load_info["lora"],
                     seed=args.seed, steps=steps,
-                    cfg_scale=cfg_scale, shift=shift, kernel="ode", height=height, width=width,
+                    cfg_scale=cfg_scale, shift=schedule.shift if schedule is not None else shift,
+                    kernel="ode" if schedule is None else f"causal_{schedule.kernel}", height=height, width=width,
                     num_frames=num_frames, fps=fps if is_video else None)
     print(f"loaded {kind} generator from {args.model} in {time.perf_counter() - t0:.1f} s; "
           f"{height}x{width}x{num_frames}, {steps} steps, CFG {cfg_scale}, shift {shift}, on {device}")
@@ -250,8 +296,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         task = bar.add_task("generating", total=len(todo))
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            latents = rollout(gen, [r["prompt"] for r in chunk], latent_shape, args.seed,
-                              [r["index"] for r in chunk], config, record=False).final
+            if schedule is None:
+                latents = rollout(gen, [r["prompt"] for r in chunk], latent_shape, args.seed,
+                                  [r["index"] for r in chunk], config, record=False).final
+            else:
+                latents = _causal_sample(gen, [r["prompt"] for r in chunk], latent_shape, args.seed,
+                                         [r["index"] for r in chunk], schedule)
             pixels = gen.decode(latents).float().cpu()  # [B, T, 3, H, W] in [0, 1]
             for r, sample in zip(chunk, pixels):
                 if is_video:

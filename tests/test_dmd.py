@@ -127,6 +127,17 @@ def test_cadence_counts_optimizer_steps_and_resume_equals_uninterrupted(tmp_path
     assert opt_c.optimizer.state[next(iter(opt_c.optimizer.state))]["step"] == 4
     metrics = full.trainer.logged_metrics
     assert "val/total" in metrics and "train/critic_loss" in metrics and "train/dmd_grad_rms" in metrics
+    # the checkpoint loads as a causal student that generate.py samples chunk by chunk
+    from genrl.models.loading import load_generator
+    from pipelines.generate import main as generate
+
+    ckpt = str(tmp_path / "a/runs/dmd_shapes/checkpoints/last.ckpt")
+    student = load_generator(ckpt, text_encoder=tiny_causal[2].split("=", 1)[1])
+    assert student.causal is not None and student.schedule.timesteps == [1000.0, 500.0]
+    records = generate(["--model", ckpt, "--text-encoder", tiny_causal[2].split("=", 1)[1], "--prompt",
+                        "a red circle moving left", "--out", str(tmp_path / "samples")])
+    assert records[0]["kernel"] == "causal_consistency" and records[0]["steps"] == 2
+    assert (tmp_path / "samples" / records[0]["file"]).is_file()
 
     monkeypatch.chdir(tmp_path / "b")
     _cli([*tiny_causal, "--trainer.max_steps=3"])

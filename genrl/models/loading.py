@@ -226,6 +226,19 @@ def _load_dit_checkpoint(path: Path, ckpt: dict, hp: dict, *, text_encoder, use_
     return generator
 
 
+def _attach_schedule(generator, hp: dict) -> None:
+    """A causal student's checkpoint (DMD, ODE init) records its chunk schedule: attach it as ``generator.schedule``
+    and its layout as ``generator.causal`` so samplers generate chunk by chunk with the KV cache."""
+    schedule = hp.get("schedule")
+    if schedule is None:
+        return
+    from genrl.rollout.autoregressive import ChunkSchedule
+
+    schedule = _as_dataclass(schedule, ChunkSchedule)
+    generator.schedule = schedule
+    generator.causal = schedule.causal
+
+
 def load_generator(
     model: str | Path,
     *,
@@ -278,6 +291,7 @@ def load_generator(
         else:
             gen = _load_dit_checkpoint(path, ckpt, hp, text_encoder=text_encoder, use_ema=use_ema,
                                        pretrained=pretrained)
+        _attach_schedule(gen, hp)
         return gen.eval()
     if (path / "model_index.json").is_file():
         from genrl.models.families import family_class

@@ -74,6 +74,8 @@ class ChunkSchedule:
             raise ValueError(f"context_noise is a sigma in [0, 1), got {self.context_noise}")
         if isinstance(self.causal, dict):
             self.causal = CausalConfig(**self.causal)
+        elif not isinstance(self.causal, CausalConfig) and hasattr(self.causal, "__dict__"):  # a config Namespace
+            self.causal = CausalConfig(**{k: v for k, v in vars(self.causal).items() if not k.startswith("_")})
 
     @property
     def num_steps(self) -> int:

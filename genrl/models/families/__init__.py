@@ -1,4 +1,5 @@
-"""diffusers model families behind the Generator protocol: Wan2.1, SD3.5, FLUX.1, SANA.
+"""diffusers model families behind the Generator protocol: Wan2.1 (and its causal, chunk-wise student
+``wan_causal``), SD3.5, FLUX.1, SANA.
 
 ``GeneratorSpec`` is the typed config block a method takes to name its generator; ``build_generator``
 turns it into an adapter, loading a local diffusers folder (never a download unless asked) or building
@@ -13,7 +14,7 @@ from typing import Any
 
 from genrl.models.families.base import DiffusersGenerator, check_pipeline_folder
 
-__all__ = ["FAMILIES", "GeneratorSpec", "build_generator", "family_class", "DiffusersGenerator",
+__all__ = ["FAMILIES", "VARIANT_FAMILIES", "GeneratorSpec", "build_generator", "family_class", "DiffusersGenerator",
            "check_pipeline_folder"]
 
 #: family name -> adapter class path.
@@ -25,11 +26,24 @@ FAMILIES = {
 }
 
 
+#: adapters over another family's pipeline (same folders, components and tiny values):
+#: family name -> (adapter class path, base family).
+VARIANT_FAMILIES = {
+    "wan_causal": ("genrl.models.families.wan_causal.CausalWanGenerator", "wan"),
+}
+
+
 def family_class(family: str) -> type[DiffusersGenerator]:
-    """The adapter class of ``family``. Raises ValueError naming the known families."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES)} (or 'dit' for genrl's own DiT)")
-    module, _, name = FAMILIES[family].rpartition(".")
+    """The adapter class of ``family`` (a family of :data:`FAMILIES` or a variant of :data:`VARIANT_FAMILIES`).
+    Raises ValueError naming the known families."""
+    if family in FAMILIES:
+        path = FAMILIES[family]
+    elif family in VARIANT_FAMILIES:
+        path = VARIANT_FAMILIES[family][0]
+    else:
+        raise ValueError(f"unknown model family {family!r}; known: {sorted(FAMILIES) + sorted(VARIANT_FAMILIES)} "
+                         f"(or 'dit' for genrl's own DiT)")
+    module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
 
 
@@ -38,7 +52,8 @@ class GeneratorSpec:
     """Which generator a method uses: a diffusers family from a local folder or from config values.
 
     Attributes:
-        family: ``"wan"``, ``"sd3"``, ``"flux"`` or ``"sana"``.
+        family: ``"wan"``, ``"wan_causal"`` (Wan2.1 with block-causal attention and a KV cache; same folders),
+            ``"sd3"``, ``"flux"`` or ``"sana"``.
         pretrained: local diffusers pipeline folder (``model_index.json`` + component folders); a hub id only
             with ``local_files_only: false``. None builds from ``components`` with random weights.
         components: ``{component: constructor values}`` when ``pretrained`` is None (tiny models, real-size

@@ -1,0 +1,291 @@
+"""Stream-generate with the causal Wan2.1-1.3B adapter (random weights, real architecture) and time it.
+
+    python benchmarks/causal_wan_stream.py --out benchmarks/causal_wan_stream.json              # one GPU, bf16
+    python benchmarks/causal_wan_stream.py --decode-per-chunk --local-window 12 --sink 3        # + streaming run
+    python benchmarks/causal_wan_stream.py --tiny --decode-per-chunk --local-window 6 --sink 3  # CPU smoke run
+
+The main run is Self-Forcing's inference setting (ar_distill.md sections 0 and 1.1): 21 latent frames
+(81 frames at 480x832 -> latents 16 x 21 x 60 x 104, 1560 tokens per latent frame) in chunks of 3 latent frames,
+each chunk denoised with the warped few-step list [1000, 750, 500, 250] (shift 5) by genrl's chunk sampler
+(``ar_rollout``), then committed to the KV cache by one context pass (4 + 1 transformer passes per chunk).
+Text states are random [B, 512, 4096] (no text encoder is built). The VAE is the real-size AutoencoderKLWan
+(default config) with random weights.
+
+Reported (JSON on stdout and in ``--out``): first-chunk latency (s; denoise + commit of chunk 0), denoise-only
+frames/s (pixel frames / rollout time), end-to-end frames/s with one VAE decode of the whole video at the end,
+and with ``--decode-per-chunk`` a streaming decode (each chunk decoded as soon as it is committed, the VAE's
+causal feature cache carried across chunks), peak GPU memory, KV-cache size. A warm-up run of the same
+work is excluded; every timing is bracketed by ``torch.cuda.synchronize()``. With ``--local-window`` (latent
+frames) and ``--sink``, a second streaming run generates ``--stream-multiple`` x 21 latent frames with the
+rolling cache (LongLive-style window + frame sink) and reports steady-state per-chunk latency and memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(args):
+    """The causal Wan generator (real-size or tiny) with random weights, and random text conditioning."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    from genrl.models.causal import CausalConfig
+    from genrl.models.families.base import set_attention_backend
+    from genrl.models.families.tiny import TINY
+    from genrl.models.families.wan_causal import CausalWanGenerator
+    from genrl.models.text_encoder import Conditioning
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else getattr(torch, args.dtype)
+    vae_dtype = torch.float32 if args.tiny else getattr(torch, args.vae_dtype)
+    tcfg = dict(TINY["wan"]["transformer"]) if args.tiny else dict(WAN_1_3B)
+    vcfg = dict(TINY["wan"]["vae"]) if args.tiny else {}
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        transformer = WanTransformer3DModel(**tcfg).to(dtype).eval()
+        # as from_pretrained(dtype=bf16) does for a real checkpoint: rope, time embedder, modulation tables and
+        # norms stay float32 (the model's _keep_in_fp32_modules)
+        keep = set(transformer._keep_in_fp32_modules or [])
+        for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]:
+            if keep & set(name.split(".")):
+                tensor.data = tensor.data.float()
+        vae = AutoencoderKLWan(**vcfg).to(vae_dtype).eval()
+    pipeline = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                           scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift))
+    num_frames = 4 * (args.latent_frames - 1) + 1
+    gen = CausalWanGenerator(pipeline, height=args.height, width=args.width, num_frames=num_frames,
+                             max_sequence_length=args.text_tokens, causal=CausalConfig(chunk_size=args.chunk))
+    backend = set_attention_backend(gen.transformer, args.attention_backend)
+    text = torch.randn(args.batch, args.text_tokens, tcfg["text_dim"], device=device, dtype=dtype)
+    cond = Conditioning(text, torch.ones(args.batch, args.text_tokens, dtype=torch.bool, device=device),
+                        [f"random text states {i}" for i in range(args.batch)])
+    n_params = sum(p.numel() for p in gen.transformer.parameters())
+    return gen, cond, device, backend, n_params
+
+
+class StreamingDecoder:
+    """Decode latent chunks one after another with AutoencoderKLWan's causal feature cache carried over, so the
+    concatenated pixels equal one decode of the whole video (the VAE decodes latent frame by latent frame)."""
+
+    def __init__(self, gen) -> None:
+        self.gen, self.vae = gen, gen.pipeline.vae
+        if self.vae.config.patch_size is not None:
+            raise ValueError("streaming decode supports the Wan2.1 VAE (no patch_size)")
+        self.reset()
+
+    def reset(self) -> None:
+        self.vae.clear_cache()
+        self.first = True
+
+    @torch.no_grad()
+    def __call__(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents [B, C, f, h, w] (normalised) -> pixels float32 [B, T, 3, H, W] in [0, 1]."""
+        vae = self.vae
+        z = latents.to(vae.device, vae.dtype)
+        mean, std = self.gen._latent_stats(z.device, z.dtype)
+        x = vae.post_quant_conv(z * std + mean)  # 1x1x1 conv: no temporal context
+        outs = []
+        for i in range(x.shape[2]):
+            vae._conv_idx = [0]
+            outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                    first_chunk=self.first))
+            self.first = False
+        video = torch.cat(outs, dim=2).clamp(-1.0, 1.0)
+        return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
+
+
+def stream(gen, cond, schedule, frame_shape, num_chunks, device, seed, decoder=None):
+    """One video chunk by chunk (``ar_rollout`` one chunk at a time, persistent state); returns timings."""
+    from genrl.rollout.autoregressive import ar_rollout
+
+    chunk_s, decode_s, state, pixels = [], [], None, []
+    first_pixels_s = None
+    if decoder is not None:
+        decoder.reset()
+    _sync(device)
+    t_start = time.perf_counter()
+    with torch.no_grad():
+        for k in range(num_chunks):
+            t0 = time.perf_counter()
+            res = ar_rollout(gen, cond if state is None else None, 1, frame_shape, schedule, seed=seed, state=state)
+            state = res.state
+            _sync(device)
+            chunk_s.append(time.perf_counter() - t0)
+            if decoder is not None:
+                t0 = time.perf_counter()
+                pixels.append(decoder(res.latents))
+                _sync(device)
+                decode_s.append(time.perf_counter() - t0)
+                if k == 0:
+                    first_pixels_s = time.perf_counter() - t_start
+    total = time.perf_counter() - t_start
+    return dict(state=state, chunk_s=chunk_s, decode_s=decode_s, total_s=total, first_pixels_s=first_pixels_s,
+                pixels=torch.cat(pixels, dim=1) if pixels else None)
+
+
+def _pixel_frames(latent_frames: int) -> int:
+    return 4 * (latent_frames - 1) + 1
+
+
+def _gib(n: float) -> float:
+    return round(n / 2**30, 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (smoke run, float32)")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON report here too")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--height", type=int, default=None, help="pixels (default 480; tiny 64)")
+    p.add_argument("--width", type=int, default=None, help="pixels (default 832; tiny 64)")
+    p.add_argument("--latent-frames", type=int, default=21)
+    p.add_argument("--chunk", type=int, default=3, help="latent frames per chunk")
+    p.add_argument("--first-chunk", type=int, default=None, help="size of chunk 0 (e.g. 1); default = --chunk")
+    p.add_argument("--timesteps", type=float, nargs="+", default=[1000.0, 750.0, 500.0, 250.0])
+    p.add_argument("--shift", type=float, default=5.0)
+    p.add_argument("--text-tokens", type=int, default=None, help="default 512 (tiny 16)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vae-dtype", default="bfloat16")
+    p.add_argument("--attention-backend", default="sdpa")
+    p.add_argument("--positions", default="absolute", choices=["absolute", "relative"])
+    p.add_argument("--decode-per-chunk", action="store_true", help="also time a streaming per-chunk VAE decode")
+    p.add_argument("--local-window", type=int, default=None,
+                   help="latent frames; adds a long streaming run with a rolling window + sink")
+    p.add_argument("--sink", type=int, default=0, help="sink latent frames of the streaming run")
+    p.add_argument("--stream-multiple", type=int, default=4, help="streaming run length in units of --latent-frames")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    args.height = args.height or (64 if args.tiny else 480)
+    args.width = args.width or (64 if args.tiny else 832)
+    args.text_tokens = args.text_tokens or (16 if args.tiny else 512)
+    if not args.tiny and not torch.cuda.is_available():
+        print("causal_wan_stream: no CUDA device found. The real-size benchmark needs a GPU (bf16, ~20 GiB); "
+              "run with --tiny for a CPU smoke run.", file=sys.stderr)
+        sys.exit(2)
+
+    import diffusers
+
+    from genrl.models.causal import CausalConfig
+    from genrl.rollout.autoregressive import ChunkSchedule
+
+    t_build = time.perf_counter()
+    gen, cond, device, backend, n_params = build(args)
+    build_s = time.perf_counter() - t_build
+    c, (lf, h, w) = 16, (args.latent_frames, args.height // 8, args.width // 8)
+    frame_shape = (c, h, w)
+    causal = CausalConfig(chunk_size=args.chunk, first_chunk_size=args.first_chunk, positions=args.positions)
+    num_chunks = causal.num_chunks(lf)
+    schedule = ChunkSchedule(causal=causal, timesteps=args.timesteps, shift=args.shift, warp=True)
+    pix = _pixel_frames(lf) * args.batch
+    decoder = StreamingDecoder(gen) if args.decode_per_chunk else None
+
+    # warm-up (excluded): the same rollout and decodes
+    warm = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed, decoder)
+    with torch.no_grad():
+        gen.decode(warm["state"].latents)
+    del warm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    run = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed + 1)
+    peak_denoise = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    latents = run["state"].latents
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        video = gen.decode(latents)
+    _sync(device)
+    decode_s = time.perf_counter() - t0
+    peak_total = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    denoise_s = sum(run["chunk_s"])
+    report = {
+        "benchmark": "causal_wan_stream",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "diffusers": diffusers.__version__,
+        "model": ("tiny random Wan (tests' TINY['wan'])" if args.tiny
+                  else "Wan2.1-T2V-1.3B architecture, random weights"),
+        "transformer_params_m": round(n_params / 1e6, 3),
+        "dtype": "float32" if args.tiny else args.dtype, "vae_dtype": "float32" if args.tiny else args.vae_dtype,
+        "attention_backend": backend, "build_s": round(build_s, 2),
+        "batch": args.batch, "pixels": [args.height, args.width], "latent_frames": lf,
+        "pixel_frames": _pixel_frames(lf),
+        "latents": [args.batch, c, lf, h, w], "tokens_per_latent_frame": (h // 2) * (w // 2),
+        "chunks": num_chunks, "chunk_frames": args.chunk, "first_chunk_frames": args.first_chunk or args.chunk,
+        "timesteps_warped": [round(1000 * s, 2) for s in schedule.sigmas().tolist()[:-1]],
+        "transformer_passes_per_chunk": schedule.num_steps + 1,
+        "first_chunk_latency_s": round(run["chunk_s"][0], 4),
+        "per_chunk_s": [round(s, 4) for s in run["chunk_s"]],
+        "denoise_s": round(denoise_s, 4),
+        "denoise_fps": round(pix / denoise_s, 2),
+        "decode_at_end_s": round(decode_s, 4),
+        "e2e_s_decode_at_end": round(denoise_s + decode_s, 4),
+        "e2e_fps_decode_at_end": round(pix / (denoise_s + decode_s), 2),
+        "kv_cache_mib": round(run["state"].cache.nbytes() / 2**20, 1),
+        "peak_memory_gib": {"denoise": _gib(peak_denoise) if peak_denoise else None,
+                            "with_decode": _gib(peak_total) if peak_total else None},
+        "finite": bool(torch.isfinite(latents).all()),
+    }
+
+    if decoder is not None:
+        srun = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed + 1, decoder)
+        report["stream_decode"] = {
+            "first_pixels_latency_s": round(srun["first_pixels_s"], 4),
+            "decode_per_chunk_s": [round(s, 4) for s in srun["decode_s"]],
+            "e2e_s": round(srun["total_s"], 4),
+            "e2e_fps": round(pix / srun["total_s"], 2),
+            "max_abs_diff_vs_decode_at_end": float((srun["pixels"] - video).abs().max()),
+        }
+        del srun
+
+    if args.local_window is not None:
+        long_causal = CausalConfig(chunk_size=args.chunk, first_chunk_size=args.first_chunk,
+                                   local_window=args.local_window, sink_frames=args.sink, positions=args.positions)
+        long_frames = lf * args.stream_multiple
+        long_chunks = long_causal.num_chunks(long_frames)
+        long_schedule = ChunkSchedule(causal=long_causal, timesteps=args.timesteps, shift=args.shift, warp=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        lrun = stream(gen, cond, long_schedule, frame_shape, long_chunks, device, args.seed + 2, decoder)
+        long_pix = _pixel_frames(long_frames) * args.batch
+        steady = lrun["chunk_s"][len(lrun["chunk_s"]) // 2:]
+        report["streaming"] = {
+            "local_window": args.local_window, "sink_frames": args.sink, "positions": args.positions,
+            "latent_frames": long_frames, "pixel_frames": _pixel_frames(long_frames), "chunks": long_chunks,
+            "denoise_s": round(sum(lrun["chunk_s"]), 4),
+            "denoise_fps": round(long_pix / sum(lrun["chunk_s"]), 2),
+            "e2e_fps": round(long_pix / lrun["total_s"], 2) if decoder is not None else None,
+            "steady_chunk_s": round(statistics.mean(steady), 4),
+            "first_chunk_s": round(lrun["chunk_s"][0], 4), "last_chunk_s": round(lrun["chunk_s"][-1], 4),
+            "cache_frames_at_end": lrun["state"].cache.frames.tolist(),
+            "kv_cache_mib": round(lrun["state"].cache.nbytes() / 2**20, 1),
+            "peak_memory_gib": _gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+            "finite": bool(torch.isfinite(lrun["state"].latents).all()),
+        }
+
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
