@@ -20,7 +20,8 @@ FAMILY_CONFIGS = {
 }
 COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/tiny/grpo.yaml": "configs/quickstart.yaml",
-            "configs/tiny/pretrain.yaml": "configs/pretrain/shapes.yaml"}
+            "configs/tiny/pretrain.yaml": "configs/pretrain/shapes.yaml",
+            "configs/tiny/dmd.yaml": "configs/dmd/shapes.yaml"}
 
 
 def _cli(args: list[str], run: bool) -> GenRLCLI:
@@ -82,3 +83,36 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
     assert before and all("lora_" in k for k in before)
     assert any(not torch.equal(before[k], after[k]) for k in before), f"{family}: no LoRA weight changed"
     assert list((tmp_path / "cache").glob("*.pt")), "prompt embeddings were not cached on disk"
+
+
+def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
+    """configs/dmd/wan2.1_t2v_1.3b.yaml with its weights swapped for tiny random ones: the causal Wan student,
+    the teacher and the critic transformers train through the real CLI (student and critic change)."""
+    from genrl.models.families.tiny import TINY, TINY_SIZE
+
+    monkeypatch.chdir(tmp_path)
+    size = TINY_SIZE["wan"]
+    tiny_transformer = {"model_class": "diffusers.WanTransformer3DModel", "pretrained": None, "subfolder": None,
+                        "dtype": None, "config": TINY["wan"]["transformer"]}
+    override = {
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 3, "limit_val_batches": 0,
+                    "enable_progress_bar": False, "logger": False, "callbacks": []},
+        "model": {"init_args": {
+            "generator": {"pretrained": None, "components": TINY["wan"], "torch_dtype": "float32",
+                          "height": size["height"], "width": size["width"], "num_frames": size["num_frames"],
+                          "max_sequence_length": size["max_sequence_length"], "prompt_cache_dir": None},
+            "teacher": tiny_transformer, "critic": tiny_transformer,
+            "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
+            "critic_updates_per_generator_update": 2, "grad_window_frames": None,
+            "rewards": [{"name": "colorfulness"}],
+        }},
+    }
+    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
+    cli = _cli(["--config", str(ROOT / "configs/dmd/wan2.1_t2v_1.3b.yaml"), "--config", str(tmp_path / "tiny.yaml")],
+               run=False)
+    cli.model.configure_model()
+    assert cli.model.frame_shape == (16, 2, 2)
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters()}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed == {"generator", "critic"} and int(cli.model.iteration) == 2

@@ -29,10 +29,13 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow import add_noise, x0_from_velocity
 from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sample_dmd_sigma, sid_loss
 from genrl.flow.guidance import cfg_combine
-from genrl.methods.common import ensure_reward_manager, restore_reward_state, save_reward_state, stash_reward_state
+from genrl.methods.common import (build_policy, ensure_reward_manager, restore_reward_state, save_reward_state,
+                                  stash_reward_state)
+from genrl.methods.grpo import LoraSpec
+from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM, Conditioning, TextEncoder
+from genrl.models.text_encoder import MINILM, Conditioning
 from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, sample_exit_step
 from genrl.rollout.noise import mix_seed, randn_per_sample, sample_generator
 
@@ -79,9 +82,15 @@ class DMD(LightningModule):
         teacher: the real score (default: the student's ``pretrained`` folder, i.e. the base model).
         critic: the fake score's initial weights (default: the teacher's).
         text_encoder / max_text_length: the DiT's prompt encoder.
+        generator: a diffusers family student instead of the DiT (``GeneratorSpec(family="wan_causal", ...)``:
+            Wan2.1 with block-causal attention; its text encoder and VAE serve all roles). ``teacher`` (and
+            ``critic``) are then transformer specs, e.g. ``model_class: diffusers.WanTransformer3DModel`` with
+            ``subfolder: transformer`` and ``dtype: bfloat16``.
+        lora: train a LoRA adapter on the student instead of all its weights.
         schedule: the student's chunk layout and few-step list (:class:`ChunkSchedule`).
         num_frames: latent frames per training rollout (a chunk boundary).
-        frame_shape: latent shape of one frame (C, H, W).
+        frame_shape: latent shape of one frame without the frame axis (DiT (C, H, W); Wan (C, h, w)); default: the
+            family generator's latent shape, or (3, 16, 16) for the DiT.
         teacher_cfg_scale: the teacher's CFG scale w in the standard form (Self-Forcing's 3.0 is w = 4).
         negative_prompt: the unconditional prompt of the teacher's CFG.
         timestep_shift, min_timestep, max_timestep: the DMD timestep draw (shift 5, clamp [20, 980]).
@@ -105,6 +114,8 @@ class DMD(LightningModule):
         critic: ModelSpec | None = None,
         text_encoder: str = MINILM,
         max_text_length: int = 32,
+        generator: GeneratorSpec | None = None,
+        lora: LoraSpec | None = None,
         schedule: ChunkSchedule | None = None,
         num_frames: int = 8,
         frame_shape: list[int] | None = None,
@@ -133,8 +144,14 @@ class DMD(LightningModule):
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         if generator_loss not in ("dmd", "sid"):
             raise ValueError(f"generator_loss must be 'dmd' or 'sid', got {generator_loss!r}")
+        if generator is not None and transformer is not None:
+            raise ValueError("give either transformer (genrl's DiT student) or generator (a diffusers family), not both")
+        if generator is not None and teacher is None:
+            raise ValueError("a family student (generator:) needs an explicit teacher transformer spec, e.g. "
+                             "{model_class: diffusers.WanTransformer3DModel, pretrained: <folder>, subfolder: transformer}")
         self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer"])
         self.automatic_optimization = False
+        self.generator_spec = generator
         self.transformer_spec = transformer or ModelSpec(pretrained="assets/shapes-dit")
         self.teacher_spec = teacher or ModelSpec(pretrained=self.transformer_spec.pretrained,
                                                  subfolder=self.transformer_spec.subfolder,
@@ -145,7 +162,7 @@ class DMD(LightningModule):
         self.schedule = schedule or ChunkSchedule()
         self.eval_schedule = eval_schedule or self.schedule
         self.schedule.causal.num_chunks(num_frames)  # raises off a chunk boundary
-        self.frame_shape = tuple(frame_shape or (3, 16, 16))
+        self.frame_shape = tuple(frame_shape) if frame_shape else None
         self.generator_factory, self.critic_factory = generator_optimizer, critic_optimizer
         self.generator: DiTGenerator | None = None
         self.critic: torch.nn.Module | None = None
@@ -158,10 +175,14 @@ class DMD(LightningModule):
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        encoder = TextEncoder.from_pretrained(self.hparams.text_encoder, max_length=self.hparams.max_text_length)
-        student = self.transformer_spec.build().train()
-        self.generator = DiTGenerator(student, encoder)
+        self.generator = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
+                                      self.hparams.max_text_length, self.hparams.lora)
         self.generator.causal = self.schedule.causal
+        if self.frame_shape is None:
+            shape = getattr(self.generator, "latent_shape", None)
+            fd = getattr(self.generator, "frame_dim", 1)
+            self.frame_shape = (tuple(v for i, v in enumerate(shape) if i != fd - 1) if shape is not None
+                                else (3, 16, 16))
         teacher = self.teacher_spec.build().requires_grad_(False).eval()
         critic = self.critic_spec.build() if self.critic_spec is not None else copy.deepcopy(teacher)
         self.critic = critic.requires_grad_(True).train()
@@ -251,12 +272,12 @@ class DMD(LightningModule):
         mask = out.grad_mask.to(x.device)
         if not bool(mask.any()):
             raise RuntimeError("the Self-Forcing rollout produced no frame with a graph; check grad_window_frames")
+        fd = getattr(self.generator, "frame_dim", 1)
+        g = dmd_gradient(x, x0_fake, x0_real, mask=mask, frame_dim=fd)
         if self.hparams.generator_loss == "dmd":
-            g = dmd_gradient(x, x0_fake, x0_real, mask=mask)
-            loss = dmd_loss(x, g, mask=mask)
+            loss = dmd_loss(x, g, mask=mask, frame_dim=fd)
         else:
-            g = dmd_gradient(x, x0_fake, x0_real, mask=mask)
-            loss = sid_loss(x, x0_fake, x0_real, mask=mask)
+            loss = sid_loss(x, x0_fake, x0_real, mask=mask, frame_dim=fd)
         return {"loss": loss, "g_norm": g.float().pow(2).mean().sqrt(), "exit_step": torch.tensor(float(out.exit_step))}
 
     def critic_step_loss(self, cond: Conditioning, indices: torch.Tensor, it: int) -> dict[str, torch.Tensor]:
@@ -265,7 +286,7 @@ class DMD(LightningModule):
             x = self.student_rollout(cond, indices, mix_seed(self.hparams.seed, it, 2), grad=False).latents.float()
         sigma, eps, x_t = self._noised(x, indices, it, _STREAM_CRITIC_NOISE)
         v = ScoreRole(self.generator, self.critic).velocity(x_t, sigma, cond)
-        return {"loss": critic_loss(v, x, eps)}
+        return {"loss": critic_loss(v, x, eps, frame_dim=getattr(self.generator, "frame_dim", 1))}
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:

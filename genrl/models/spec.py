@@ -34,6 +34,8 @@ class ModelSpec:
         config: constructor values (the diffusers config) when ``pretrained`` is None; not allowed
             with ``pretrained`` (the weights fix the architecture).
         gradient_checkpointing: enable activation checkpointing per block.
+        dtype: weights dtype (``"float32"``, ``"bfloat16"``, ``"float16"``; None keeps the checkpoint's / float32),
+            e.g. a frozen bf16 teacher.
     """
 
     model_class: str = "genrl.models.dit.VideoDiT"
@@ -41,6 +43,7 @@ class ModelSpec:
     subfolder: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     gradient_checkpointing: bool = False
+    dtype: str | None = None
 
     def build(self) -> nn.Module:
         """Instantiate the network.
@@ -76,6 +79,13 @@ class ModelSpec:
                 valid = [p for p in params if p != "self"]
                 raise ValueError(f"unknown config keys {unknown} for {self.model_class}; valid: {valid}")
             model = cls(**self.config)
+        if self.dtype is not None:
+            import torch
+
+            dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+            if self.dtype not in dtypes:
+                raise ValueError(f"dtype must be one of {sorted(dtypes)}, got {self.dtype!r}")
+            model = model.to(dtypes[self.dtype])
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         return model
