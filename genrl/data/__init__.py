@@ -11,6 +11,7 @@ from genrl.data.video_io import (
     write_video,
 )
 from genrl.data.prompts import PromptDataModule, PromptRecord, load_prompts
+from genrl.data.ode_pairs import ODEPairs, ODEPairsDataModule, load_ode_pairs, save_ode_pairs
 
 __all__ = [
     "ShapeSpec",
@@ -27,4 +28,8 @@ __all__ = [
     "PromptDataModule",
     "PromptRecord",
     "load_prompts",
+    "ODEPairs",
+    "ODEPairsDataModule",
+    "load_ode_pairs",
+    "save_ode_pairs",
 ]

@@ -5,7 +5,9 @@ surface, so the rollout sampler, the losses and every method are written once:
 
 - ``encode_prompts(list[str]) -> Conditioning`` (cached),
 - ``velocity(x, sigma, cond) -> v`` with sigma [B] or per frame [B, T],
-- ``decode(latents) -> pixels`` and ``encode(pixels) -> latents``.
+- ``decode(latents) -> pixels`` and ``encode(pixels) -> latents``;
+- causal students (:class:`~genrl.models.causal.CausalGenerator`) add ``init_cache``, ``velocity_chunk`` and
+  ``commit`` (chunk-wise generation with a KV cache, driven by :mod:`genrl.rollout.autoregressive`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,402 @@
+"""ODE initialisation of a causal, chunk-wise few-step student (CausVid sec. 4.3; Self-Forcing's ``ode_init``).
+
+The first stage before DMD / Self-Forcing. A bidirectional teacher's deterministic ODE trajectories are stored
+at the student's S noise levels s_0 = 1 > ... > s_{S-1} > 0 plus their clean endpoint x0
+(``pipelines/ode_pairs.py``; :mod:`genrl.data.ode_pairs`). The student, initialised from the teacher's weights
+and made block-causal (chunks attend to themselves and to earlier chunks), learns to map any stored state
+straight to the endpoint:
+
+- for each chunk k of each sample draw a state index i_k in {0..S-1} (CausVid ``_get_timestep`` with
+  ``uniform_timestep=False``: constant inside a chunk, independent across chunks); with ``draw_clean_state`` the
+  clean state S (sigma 0, CausVid's t = 0 entry) is a choice too, giving later chunks clean context;
+- the input x [B, T, ...] takes chunk k's frames from state i_k, with per-frame sigma [B, T] = s_{i_k};
+- one full-sequence block-causal forward (no KV cache): v = G(x, sigma, c), x0_hat = x - sigma v;
+- loss = mean over the elements of frames with sigma != 0 of (x0_hat - x0)^2
+  (:func:`genrl.flow.ode_regression_loss`; CausVid / Self-Forcing ``model/ode_regression.py``).
+
+Every random draw is addressed by (seed, sample id, global step) through :mod:`genrl.rollout.noise`, so a run
+resumed with ``--ckpt_path last`` repeats an uninterrupted one. Validation samples the student chunk by chunk
+with its KV cache (:func:`genrl.rollout.autoregressive.ar_rollout`, the few-step consistency sampler), decodes,
+scores with the configured rewards and returns ``{"videos", "prompts"}`` for
+:class:`~genrl.callbacks.VideoLogger`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+
+from genrl.flow import ode_regression_loss, x0_from_velocity
+from genrl.methods.common import (build_policy, ensure_reward_manager, policy_optimizer, restore_reward_state,
+                                  save_reward_state, stash_reward_state)
+from genrl.methods.grpo import LoraSpec
+from genrl.models.causal import CausalConfig
+from genrl.models.families import GeneratorSpec
+from genrl.models.spec import ModelSpec
+from genrl.models.text_encoder import MINILM
+from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout
+from genrl.rollout.noise import sample_generator
+
+__all__ = ["ODEInit", "draw_chunk_states", "chunk_states_to_frames", "select_states", "shapes_schedule"]
+
+#: random stream of the per-chunk state draw (see genrl.rollout.noise).
+_STREAM_CHUNK_STATE = 0x0DE1
+
+
+def shapes_schedule() -> ChunkSchedule:
+    """The shapes world's student: chunks of 2 latent frames (the DiT's temporal patch), the list
+    [1000, 750, 500, 250] at shift 1 (sigmas [1, 0.75, 0.5, 0.25]), consistency re-noise, clean context."""
+    return ChunkSchedule(causal=CausalConfig(chunk_size=2), timesteps=[1000.0, 750.0, 500.0, 250.0], shift=1.0)
+
+
+def draw_chunk_states(seed: int, sample_ids: Sequence[int] | torch.Tensor, step: int, num_chunks: int,
+                      num_states: int) -> torch.Tensor:
+    """Per-chunk state indices of the ODE regression (CausVid sec. 4.3, ``uniform_timestep=False``).
+
+    Row b holds ``num_chunks`` independent uniform draws from {0, ..., num_states - 1}, taken from the CPU
+    generator addressed by (seed, sample_ids[b], step, stream) (:func:`genrl.rollout.noise.sample_generator`):
+    a pure function of those integers, whatever the batch composition.
+
+    Args:
+        seed: run seed.
+        sample_ids: B sample ids (ints or an int tensor [B]); unique within a step.
+        step: the training step (global step).
+        num_chunks: K chunks per sample.
+        num_states: number of choices (S noisy states, or S + 1 with the clean state).
+    Returns:
+        int64 [B, K] on the CPU.
+    Raises:
+        ValueError: ``num_chunks < 1`` or ``num_states < 1``.
+    """
+    if num_chunks < 1 or num_states < 1:
+        raise ValueError(f"need num_chunks >= 1 and num_states >= 1, got {num_chunks} and {num_states}")
+    ids = sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else list(sample_ids)
+    rows = [torch.randint(num_states, (num_chunks,), generator=sample_generator(seed, int(i), int(step),
+                                                                               _STREAM_CHUNK_STATE))
+            for i in ids]
+    return torch.stack(rows) if rows else torch.zeros(0, num_chunks, dtype=torch.long)
+
+
+def chunk_states_to_frames(chunk_states: torch.Tensor, causal: CausalConfig, num_frames: int) -> torch.Tensor:
+    """Spread per-chunk state indices [B, K] to per-frame indices [B, T] with the chunk layout of ``causal``.
+
+    Raises:
+        ValueError: ``num_frames`` is not on a chunk boundary, or K differs from the number of chunks.
+    """
+    k = causal.num_chunks(num_frames)
+    if chunk_states.ndim != 2 or chunk_states.shape[1] != k:
+        raise ValueError(f"chunk states of shape {tuple(chunk_states.shape)} for {num_frames} frames in {k} chunks; "
+                         f"expected [B, {k}]")
+    chunk = causal.chunk_of(torch.arange(num_frames)).to(chunk_states.device)
+    return chunk_states[:, chunk]
+
+
+def select_states(ode_latents: torch.Tensor, ode_sigmas: torch.Tensor, frame_states: torch.Tensor,
+                  frame_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assemble the student's input: frame t of sample b is frame t of the stored state ``frame_states[b, t]``.
+
+    Args:
+        ode_latents: [B, S + 1, *latent] stored states (frames on axis ``frame_dim - 1`` of ``*latent``).
+        ode_sigmas: [S + 1] their sigmas.
+        frame_states: int64 [B, T] state index per frame, in 0..S.
+        frame_dim: frame axis of the generator's latents [B, *latent] (1 for [B, T, C, H, W], 2 for Wan's
+            [B, C, T, H, W]).
+    Returns:
+        ``(x, sigma)``: x [B, *latent] (exact copies of the stored values, dtype of ``ode_latents``) and the
+        per-frame sigma [B, T] (dtype of ``ode_sigmas``).
+    Raises:
+        ValueError: shapes do not fit (named in the message) or an index is out of range.
+    """
+    if ode_latents.ndim < 3 or ode_sigmas.ndim != 1 or ode_latents.shape[1] != ode_sigmas.numel():
+        raise ValueError(f"ode_latents {tuple(ode_latents.shape)} and ode_sigmas {tuple(ode_sigmas.shape)} do not "
+                         f"fit: expected [B, S + 1, *latent] and [S + 1]")
+    b, n_states = ode_latents.shape[:2]
+    latent = ode_latents.shape[2:]
+    if not 1 <= frame_dim <= len(latent):
+        raise ValueError(f"frame_dim={frame_dim} is outside 1..{len(latent)} for latents {tuple(latent)}")
+    t = latent[frame_dim - 1]
+    if frame_states.shape != (b, t):
+        raise ValueError(f"frame_states of shape {tuple(frame_states.shape)}; expected [B, T] = [{b}, {t}]")
+    if bool((frame_states < 0).any()) or bool((frame_states >= n_states).any()):
+        raise ValueError(f"frame_states must lie in 0..{n_states - 1}, got values {frame_states.unique().tolist()}")
+    fs = frame_states.to(ode_latents.device)
+    shape = [b, 1] + [1] * len(latent)
+    shape[frame_dim + 1] = t
+    idx = fs.reshape(shape).expand(b, 1, *latent)
+    x = ode_latents.gather(1, idx).squeeze(1)
+    sigma = ode_sigmas.to(fs.device)[fs]
+    return x, sigma
+
+
+class ODEInit(LightningModule):
+    """ODE-trajectory regression of a causal few-step student onto a bidirectional teacher (CausVid sec. 4.3).
+
+    Training batches come from :class:`genrl.data.ODEPairsDataModule`: ``{"prompts": list[str], "index": int64
+    [B], "position": int64 [B] (optional), "ode_latents": float [B, S + 1, *latent], "ode_sigmas": [S + 1]}``.
+    Validation batches are prompt batches (``{"prompts", "index"}``, negative ids), sampled with the student's
+    chunk-wise few-step rollout and scored by ``rewards``.
+
+    Args:
+        transformer: the student when it is genrl's DiT (:class:`ModelSpec`; default ``pretrained:
+            assets/shapes-dit``: the student starts from the bidirectional teacher's weights).
+        text_encoder / max_text_length: the DiT's prompt encoder (local folder or ``"minilm"``).
+        generator: a diffusers family instead of the DiT (:class:`~genrl.models.families.GeneratorSpec`); it must
+            be a causal adapter (``init_cache`` / ``velocity_chunk`` / ``commit``, e.g. family ``"wan_causal"``).
+        schedule: the student's :class:`ChunkSchedule` (chunk layout, few-step list, sampler); the generator is
+            made causal with ``generator.causal = schedule.causal``. Default: :func:`shapes_schedule`. The pairs
+            file must hold states at exactly ``schedule.sigmas()``.
+        draw_clean_state: also draw the clean state (sigma 0) for a chunk, as CausVid's t = 0 list entry; such
+            chunks are clean context for later chunks and excluded from the loss.
+        lora: train a LoRA adapter instead of all weights (:class:`~genrl.methods.grpo.LoraSpec`).
+        optimizer: optimizer factory (default AdamW, lr 2e-6, betas (0.9, 0.999), weight decay 0.01: CausVid's
+            Wan ODE stage); gradient clipping is the trainer's ``gradient_clip_val``.
+        warmup_steps: linear learning-rate warm-up in optimizer steps (0 = none).
+        rewards: validation reward specs (default ``[{"name": "shapes"}]``, the shapes verifier).
+        reward_combine: how several rewards combine (see :class:`genrl.rewards.RewardManager`).
+        latent_shape: per-sample latent shape of validation samples (default: the pairs file's, else the
+            generator's ``latent_shape``).
+        val_num_chunks: chunks per validation video (default: the whole latent length).
+        seed: seed of all randomness.
+    Raises:
+        ValueError: both ``transformer`` and ``generator``, or ``warmup_steps < 0``.
+    """
+
+    def __init__(
+        self,
+        transformer: ModelSpec | None = None,
+        text_encoder: str = MINILM,
+        max_text_length: int = 32,
+        generator: GeneratorSpec | None = None,
+        schedule: ChunkSchedule | None = None,
+        draw_clean_state: bool = False,
+        lora: LoraSpec | None = None,
+        optimizer: OptimizerCallable | None = None,
+        warmup_steps: int = 0,
+        rewards: list[dict[str, Any]] | None = None,
+        reward_combine: Literal["weighted_sum", "zscore_sum", "advantage_sum"] = "weighted_sum",
+        latent_shape: list[int] | None = None,
+        val_num_chunks: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if generator is not None and transformer is not None:
+            raise ValueError("give either transformer (genrl's DiT) or generator (a diffusers family), not both")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if val_num_chunks is not None and val_num_chunks < 1:
+            raise ValueError(f"val_num_chunks must be >= 1 or null, got {val_num_chunks}")
+        self.save_hyperparameters(ignore=["optimizer"])
+        if isinstance(schedule, dict):  # plain values (e.g. a checkpoint's hyper-parameters)
+            schedule = ChunkSchedule(**schedule)
+        if isinstance(transformer, dict):
+            transformer = ModelSpec(**transformer)
+        self.generator_spec = generator
+        self.transformer_spec = transformer or (ModelSpec(pretrained="assets/shapes-dit") if generator is None else None)
+        if self.transformer_spec is not None:  # checkpoints record the student that was built (plain values)
+            self.hparams["transformer"] = asdict(self.transformer_spec)
+        self.schedule = schedule or shapes_schedule()
+        self.hparams["schedule"] = asdict(self.schedule)
+        self.optimizer_factory = optimizer
+        self.latent_shape = tuple(latent_shape) if latent_shape else None
+        self.generator = None
+        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
+        self.rewards = None  # RewardManager, built in setup (not a child module: not checkpointed)
+
+    # ------------------------------------------------------------------ construction
+    def configure_model(self) -> None:
+        """Build the student from the teacher's weights and make it block-causal (``generator.causal``).
+
+        Raises:
+            ValueError: chunk sizes that are not multiples of the DiT's temporal patch, or a family generator
+                without the causal interface.
+        """
+        if self.generator is not None:
+            return
+        generator = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
+                                 self.hparams.max_text_length, self.hparams.lora)
+        missing = [a for a in ("init_cache", "velocity_chunk", "commit") if not hasattr(generator, a)]
+        if missing:
+            raise ValueError(f"the {type(generator).__name__} student lacks the causal interface {missing}; use a "
+                             f"causal adapter (genrl's DiT, or a family such as 'wan_causal')")
+        transformer_config = getattr(generator.transformer, "config", None)
+        patch = getattr(transformer_config, "patch_size", None)
+        if isinstance(patch, (list, tuple)) and len(patch) == 3:
+            self.schedule.causal.check_patch(int(patch[0]))
+        generator.causal = self.schedule.causal
+        self.generator = generator
+
+    def setup(self, stage: str) -> None:
+        """Build the student and the validation rewards (held outside the module's children)."""
+        self.configure_model()
+        ensure_reward_manager(self)
+
+    def configure_optimizers(self):
+        """The optimizer over the trainable student parameters (all, or the LoRA adapter), with the optional
+        linear warm-up (stepped per optimizer step)."""
+        factory = self.optimizer_factory or (
+            lambda params: torch.optim.AdamW(params, lr=2e-6, betas=(0.9, 0.999), weight_decay=0.01))
+        opt = policy_optimizer(self.generator, factory)
+        warmup = self.hparams.warmup_steps
+        if warmup == 0:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the reward manager's state (running statistics) with the checkpoint."""
+        save_reward_state(self, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Keep the stored reward-manager state until the manager is built."""
+        stash_reward_state(self, checkpoint)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def frame_dim(self) -> int:
+        """Frame axis of the generator's latents (1: [B, T, C, H, W]; 2: Wan's [B, C, T, H, W])."""
+        return int(getattr(self.generator, "frame_dim", 1))
+
+    def check_sigmas(self, ode_sigmas: torch.Tensor) -> None:
+        """Raise ValueError unless the stored sigmas are the schedule's (``schedule.sigmas()``, within 1e-6)."""
+        want = self.schedule.sigmas()
+        got = ode_sigmas.detach().to("cpu", torch.float64).reshape(-1)
+        if got.shape != want.shape or not torch.allclose(got, want, atol=1e-6, rtol=0):
+            raise ValueError(
+                f"the ODE pairs hold states at sigmas {[round(v, 6) for v in got.tolist()]} but the student's schedule "
+                f"(model.init_args.schedule: timesteps {self.schedule.timesteps}, shift {self.schedule.shift}, warp "
+                f"{self.schedule.warp}) needs {[round(v, 6) for v in want.tolist()]}; regenerate the pairs with the "
+                f"same list (pipelines/ode_pairs.py --student-timesteps ... --student-shift ...) or change the schedule"
+            )
+
+    def resolve_latent_shape(self) -> tuple[int, ...]:
+        """Latent shape of validation samples: ``latent_shape``, else the datamodule's pairs file, else the
+        generator's ``latent_shape``.
+
+        Raises:
+            ValueError: none of them is available.
+        """
+        if self.latent_shape is not None:
+            return tuple(self.latent_shape)
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        shape = getattr(dm, "latent_shape", None) if dm is not None else None
+        shape = shape or getattr(self.generator, "latent_shape", None)
+        if shape is None:
+            raise ValueError("ODEInit cannot tell the latent shape of validation samples; set "
+                             "model.init_args.latent_shape (e.g. [8, 3, 16, 16] for the shapes DiT)")
+        self.latent_shape = tuple(int(d) for d in shape)
+        return self.latent_shape
+
+    # ------------------------------------------------------------------ training
+    def regression_loss(self, batch: dict, step: int | None = None) -> dict[str, torch.Tensor]:
+        """The ODE regression loss of one batch (CausVid sec. 4.3; see the module docstring).
+
+        Args:
+            batch: ``{"prompts", "index" | "position", "ode_latents" [B, S + 1, *latent], "ode_sigmas" [S + 1]}``.
+            step: addresses the per-chunk draws (default: the trainer's global step).
+        Returns:
+            ``{"loss": 0-d float32 with grad, "x0_pred": [B, *latent], "x0_target": [B, *latent],
+            "sigma": float32 [B, T], "chunk_states": int64 [B, K]}``.
+        Raises:
+            ValueError: a malformed batch, stored sigmas that are not the schedule's, or frames off a chunk
+                boundary (each names the values).
+        """
+        lat, sig = batch["ode_latents"], batch["ode_sigmas"]
+        if not isinstance(lat, torch.Tensor) or lat.ndim < 4:
+            raise ValueError(f"batch['ode_latents'] must be [B, S + 1, *latent], got {getattr(lat, 'shape', lat)}")
+        if sig.ndim == 2:  # a default-collated [B, S + 1]: every row is the file's
+            sig = sig[0]
+        self.check_sigmas(sig)
+        prompts = list(batch["prompts"])
+        b = lat.shape[0]
+        if len(prompts) != b:
+            raise ValueError(f"{len(prompts)} prompts for {b} trajectories")
+        ids = batch.get("position", batch.get("index"))
+        if ids is None:
+            raise ValueError("the batch needs 'index' (or 'position') to address the per-chunk draws")
+        step = self.global_step if step is None else int(step)
+        fd = self.frame_dim
+        num_frames = lat.shape[1 + fd]
+        causal = self.schedule.causal
+        num_steps = sig.numel() - 1
+        choices = num_steps + 1 if self.hparams.draw_clean_state else num_steps
+        chunk_states = draw_chunk_states(self.hparams.seed, ids.cpu(), step, causal.num_chunks(num_frames), choices)
+        frame_states = chunk_states_to_frames(chunk_states, causal, num_frames)
+        x, sigma = select_states(lat, sig.to(lat.device), frame_states, fd)
+        sigma = sigma.to(torch.float32)
+        target = lat[:, num_steps]
+        cond = self.generator.encode_prompts(prompts)
+        v = self.generator.velocity(x, sigma, cond)
+        x0 = x0_from_velocity(x, sigma, v, frame_dim=fd)
+        mask = sigma != 0
+        if bool(mask.any()):
+            loss = ode_regression_loss(x0, target, mask, fd)
+        else:  # every chunk drew the clean state: nothing to regress this step
+            loss = (x0 * 0.0).sum()
+        return {"loss": loss, "x0_pred": x0, "x0_target": target, "sigma": sigma, "chunk_states": chunk_states}
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        """One ODE-regression step (:meth:`regression_loss` at the global step); logs ``train/loss``.
+
+        Raises:
+            FloatingPointError: a non-finite loss (the message suggests the fix).
+        """
+        out = self.regression_loss(batch)
+        loss = out["loss"]
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite ODE regression loss {loss.item()} at step {self.global_step}; "
+                                     f"lower the learning rate or set trainer.gradient_clip_val")
+        bs = len(batch["prompts"])
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        self.log("train/noisy_frame_fraction", (out["sigma"] != 0).float().mean(), batch_size=bs)
+        if self._trainer is not None and self.trainer.optimizers:
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=bs)
+        return loss
+
+    # ------------------------------------------------------------------ sampling / validation
+    @torch.no_grad()
+    def generate(self, prompts: list[str], indices: Sequence[int] | torch.Tensor | None = None,
+                 num_chunks: int | None = None) -> torch.Tensor:
+        """Sample latents chunk by chunk with the student's KV cache and few-step schedule (:func:`ar_rollout`).
+
+        Args:
+            prompts: B prompts; indices: B noise addresses (default 0..B-1); num_chunks: chunks per video
+                (default ``val_num_chunks``, else the whole latent length).
+        Returns:
+            latents [B, *latent] (generator layout; ``num_chunks`` chunks of frames).
+        """
+        shape = self.resolve_latent_shape()
+        fd = self.frame_dim
+        frame_shape = tuple(d for i, d in enumerate(shape) if i != fd - 1)
+        k = num_chunks or self.hparams.val_num_chunks or self.schedule.causal.num_chunks(shape[fd - 1])
+        cond = self.generator.encode_prompts(list(prompts))
+        idx = None if indices is None else torch.as_tensor(indices).cpu()
+        result = ar_rollout(self.generator, cond, k, frame_shape, self.schedule, seed=self.hparams.seed, indices=idx)
+        return result.latents
+
+    def validation_step(self, batch: dict, batch_idx: int) -> dict:
+        """Sample the validation prompts causally (:meth:`generate`), decode to pixels [B, T, C, H, W] in [0, 1],
+        log ``val/<reward>/<key>`` and ``val/total``, and return ``{"videos", "prompts"}`` for the VideoLogger."""
+        restore_reward_state(self)
+        prompts = list(batch["prompts"])
+        latents = self.generate(prompts, batch.get("index"))
+        videos = self.generator.decode(latents)
+        result = self.rewards(videos.float().cpu(), prompts)
+        bs = len(prompts)
+        for key, value in result.metrics().items():
+            if key != "total":
+                self.log(f"val/{key}", float(value), batch_size=bs)
+        self.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
+                 prog_bar=True, batch_size=bs)
+        return {"videos": videos, "prompts": prompts}
+
+    def predict_step(self, batch: dict, batch_idx: int) -> dict:
+        """``{"videos": pixels [B, T, C, H, W] in [0, 1], "prompts"}`` of the batch's prompts (causal sampling)."""
+        prompts = list(batch["prompts"])
+        latents = self.generate(prompts, batch.get("index"))
+        return {"videos": self.generator.decode(latents), "prompts": prompts}
