@@ -51,6 +51,17 @@ from genrl.flow.sde import (
     step_log_prob,
     step_mean_std,
 )
+from genrl.flow.nft import (
+    NFT_MIN_NORMALIZER,
+    Reduction,
+    advantage_to_r,
+    bt_loss,
+    centered_advantages,
+    nft_loss,
+    r1_penalty,
+    r2_penalty,
+    ref_regularizer,
+)
 from genrl.flow.policy import (
     ZERO_STD,
     AdvantageStd,
@@ -119,4 +130,13 @@ __all__ = [
     "reference_scale_to_w",
     "w_to_reference_scale",
     "dmd_cfg",
+    "NFT_MIN_NORMALIZER",
+    "Reduction",
+    "bt_loss",
+    "r1_penalty",
+    "r2_penalty",
+    "centered_advantages",
+    "advantage_to_r",
+    "nft_loss",
+    "ref_regularizer",
 ]
