@@ -13,7 +13,8 @@ from genrl.models.causal import CausalConfig, KVCache, frame_visibility
 from genrl.models.dit import VideoDiT
 from genrl.models.generator import DiTGenerator
 from genrl.models.text_encoder import Conditioning
-from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, fork, sample_exit_step, switch_prompt
+from genrl.rollout.autoregressive import (ChunkSchedule, ar_rollout, fork, sample_exit_step, switch_prompt,
+                                         teacher_forced_velocity)
 
 C, H, W = 4, 4, 4
 FRAME = (C, H, W)
@@ -343,3 +344,24 @@ def test_errors_name_the_problem():
         ar_rollout(gen, None, 1, FRAME, sch)
     with pytest.raises(ValueError, match="do not split into chunks"):
         CausalConfig(2, first_chunk_size=4).num_chunks(7)
+
+
+def test_teacher_forced_velocity_equals_block_causal_forward_on_clean_context():
+    gen = _gen(rope=8)
+    cfg = CausalConfig(2, local_window=4, sink_frames=2)
+    cond = gen.encode_prompts(["a red circle", "a blue square"])
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(2, 8, C, H, W, dtype=torch.float64, generator=g)
+    x_t = torch.randn(2, 8, C, H, W, dtype=torch.float64, generator=g)
+    sigma = torch.rand(2, 4, dtype=torch.float64, generator=g).repeat_interleave(2, 1)  # per chunk
+    v = teacher_forced_velocity(gen, x0, x_t, sigma, cond, cfg)
+    for k in range(4):
+        s0 = 2 * k
+        seq = torch.cat([x0[:, :s0], x_t[:, s0:s0 + 2]], 1)
+        sig = torch.cat([torch.zeros(2, s0, dtype=torch.float64), sigma[:, s0:s0 + 2]], 1)
+        ref = gen.velocity(seq, sig, cond, attention="block_causal", causal=cfg)[:, s0:]
+        assert torch.allclose(v[:, s0:s0 + 2], ref, atol=1e-11)
+    gen.transformer.train()
+    v = teacher_forced_velocity(gen, x0, x_t, sigma, cond, cfg)
+    v.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in gen.transformer.parameters())

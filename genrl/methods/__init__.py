@@ -1,9 +1,10 @@
 """One LightningModule per method; methods compose the shared sampler, losses and rewards."""
 
+from genrl.methods.afd import AFD
 from genrl.methods.branch_grpo import BranchGRPO
 from genrl.methods.dmd import DMD
 from genrl.methods.grpo import GRPO, LoraSpec
 from genrl.methods.ode_init import ODEInit
 from genrl.methods.pretrain import FlowMatchingPretrain
 
-__all__ = ["BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit"]
+__all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit"]

@@ -32,7 +32,7 @@ from genrl.models.text_encoder import Conditioning
 from genrl.rollout.noise import mix_seed, randn_per_sample
 
 __all__ = ["ChunkSchedule", "ARState", "ARResult", "new_state", "ar_rollout", "fork", "switch_prompt",
-           "sample_exit_step", "chunk_noise", "step_dtype"]
+           "sample_exit_step", "chunk_noise", "step_dtype", "teacher_forced_velocity"]
 
 GradPolicy = Literal["none", "self_forcing", "full"]
 SwitchMode = Literal["swap", "crossattn_reset", "recache"]
@@ -418,6 +418,43 @@ def ar_rollout(
     sigma_to = sig[exit_step + 1] if exit_step is not None else None
     return ARResult(latents=latents, grad_mask=torch.cat(grad_frames, dim=1), exit_step=exit_step,
                     sigma_from=sigma_from, sigma_to=sigma_to, trajectory=trajectory, state=state)
+
+
+def teacher_forced_velocity(generator, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,
+                            causal: CausalConfig, context_sigma: float = 0.0) -> torch.Tensor:
+    """Velocity of every chunk of ``x_t`` with the video's own clean chunks as context (teacher forcing).
+
+    Chunk k is evaluated at its noisy input ``x_t`` (sigma per sample [B] or per frame [B, T]) while attending to
+    the clean chunks < k of ``x0`` through the KV cache: the CausVid / Self-Forcing teacher-forcing forward, built
+    from the causal generator's own chunk calls (so it serves genrl's DiT and the causal Wan adapter alike; equal
+    to the block-causal forward on [clean < k ; noisy k], see tests). Gradients flow through the chunk forwards
+    (when enabled), never through the cache. Used by on-policy flow-matching updates on the student's own
+    samples (AFD / NFT: ar_distill.md section 1.6 step 4).
+
+    Args:
+        x0: clean latents [B, T, ...] (generator layout), e.g. a detached rollout.
+        x_t: noised latents, same shape.
+        sigma: [B] or per frame [B, T] noise levels of ``x_t``.
+        causal: the chunk layout (window / sink / positions included).
+        context_sigma: sigma of the committed context (0 = clean).
+    Returns:
+        velocity, shape of ``x_t``.
+    Raises:
+        ValueError: shapes differ, or the frames do not split into chunks.
+    """
+    if x0.shape != x_t.shape:
+        raise ValueError(f"x0 {tuple(x0.shape)} and x_t {tuple(x_t.shape)} must have the same shape")
+    fd = getattr(generator, "frame_dim", 1)
+    b, t = x0.shape[0], x0.shape[fd]
+    cache = generator.init_cache(b, causal)
+    outs = []
+    for k in range(causal.num_chunks(t)):
+        s0, length = causal.chunk_start(k), causal.chunk_len(k)
+        sig = sigma if sigma.ndim == 1 else sigma[:, s0:s0 + length]
+        outs.append(generator.velocity_chunk(_frames(x_t, s0, s0 + length, fd), sig, cond, cache))
+        ctx = torch.full((b,), context_sigma, device=x0.device, dtype=x0.dtype)
+        generator.commit(_frames(x0, s0, s0 + length, fd).detach(), ctx, cond, cache)
+    return torch.cat(outs, dim=fd)
 
 
 def frames_to_chunks(num_frames: int, causal: CausalConfig) -> int:

@@ -1,0 +1,375 @@
+"""AFD: adversarial flow distillation of a causal student from a black-box teacher's finished videos.
+
+No teacher scores, latents, trajectories or step alignment: only the teacher's videos for the training prompts
+(an mp4 folder, :class:`genrl.data.TeacherVideoDataModule`, or any black box returning videos). The paper
+(arXiv 2605.26105) has no public code; this follows the formulation of ar_distill.md section 1.6, derived from
+its abstract and DiffusionNFT (Zheng et al. 2025). Each iteration:
+
+1. roll out the current student K times per prompt with the shared chunk-wise sampler (no gradient);
+2. train a prompt-conditioned discriminator D on clean latents with the Bradley-Terry loss
+   softplus(-(D(teacher) - D(student))) (+ optional R1 / R2);
+3. turn the score gaps d = D(student) - D(teacher) into batch-centred, std-normalised, clipped advantages and
+   optimality probabilities r = 1/2 + clip(A, -C, C) / (2C);
+4. update the student with the DiffusionNFT loss on its own forward-noised samples (one sigma per chunk), the
+   velocities taken with teacher forcing (each chunk attends to the sample's own clean earlier chunks), plus a
+   regulariser toward the initial student; the old policy theta_old (used by the implicit positive / negative
+   policies) follows theta softly, theta_old <- eta theta_old + (1 - eta) theta with eta = min(ramp * step,
+   eta_max) (DiffusionNFT's schedule).
+
+At theta = theta_old (velocity form) the update is clip(A) * grad ||v - u||^2: an advantage-signed flow-matching
+step on the student's own samples (forward-process credit assignment, tests in tests/test_flow_nft.py).
+
+Optimization is manual with two optimizers (student, discriminator); ``trainer.max_steps`` counts optimizer steps
+of both (``discriminator_steps + 1`` per iteration). Everything random is addressed by (seed, iteration, sample
+index), so a resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+
+from genrl.flow import add_noise
+from genrl.flow.nft import (advantage_to_r, bt_loss, centered_advantages, nft_loss, r1_penalty, r2_penalty,
+                             ref_regularizer)
+from genrl.methods.common import (build_policy, ensure_reward_manager, restore_reward_state, save_reward_state,
+                                  stash_reward_state)
+from genrl.methods.grpo import LoraSpec
+from genrl.models.families import GeneratorSpec
+from genrl.models.spec import ModelSpec
+from genrl.models.text_encoder import MINILM
+from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, teacher_forced_velocity
+from genrl.rollout.noise import mix_seed, rand_per_sample, randn_per_sample
+
+__all__ = ["AFD"]
+
+_STREAM_SIGMA = 31
+_STREAM_EPS = 32
+
+
+class _Swap:
+    """Context manager: evaluate ``generator`` with another transformer (old policy / reference)."""
+
+    def __init__(self, generator, transformer) -> None:
+        self.generator, self.transformer = generator, transformer
+
+    def __enter__(self):
+        self.live = self.generator.transformer
+        self.generator.transformer = self.transformer
+        return self.generator
+
+    def __exit__(self, *exc) -> None:
+        self.generator.transformer = self.live
+
+
+class AFD(LightningModule):
+    """Adversarial flow distillation (AFD) of a causal few-step student from teacher videos.
+
+    Training batches: ``{"prompts": list[str] (B), "index": int64 [B], "teacher_pixels": float [B, T, 3, H, W] in
+    [0, 1]}`` (:class:`genrl.data.TeacherVideoDataModule`); validation batches are prompt batches.
+
+    Args:
+        transformer / generator / text_encoder / max_text_length / lora: the student (genrl's DiT, or a causal
+            family such as ``wan_causal``), as in :class:`~genrl.methods.DMD`.
+        schedule: the student's chunk layout and few-step sampler (rollouts and validation).
+        num_frames: latent frames per rollout; frame_shape: latent shape of one frame (default: derived).
+        discriminator: the discriminator network (:class:`ModelSpec`, default a small
+            :class:`~genrl.models.VideoDiscriminator` on latents sized from the student).
+        samples_per_prompt: student rollouts K per prompt (each compared with the prompt's teacher clip).
+        discriminator_steps: discriminator updates per iteration (n_D).
+        r1_weight / r2_weight: gamma / 2 of the R1 (teacher) / R2 (student) gradient penalties (0 = off).
+        clip_c: advantage clip C (DiffusionNFT 5).
+        nft_beta: beta of the implicit policies (1.0 or 0.1).
+        adaptive: DiffusionNFT's x0-space adaptive weighting (else the velocity form).
+        ref_weight: weight of ||v_theta - v_ref||^2 toward the initial student (DiffusionNFT's KL 1e-4).
+        old_decay_ramp / old_decay_max: eta = min(ramp * iteration, max) of the old-policy update.
+        sigma_per_chunk: one noise level per chunk (diffusion forcing); False shares one per video (as DMD).
+        nft_steps: NFT gradient steps per iteration, each with a fresh sigma / noise draw.
+        student_optimizer / discriminator_optimizer: optimizer factories.
+        max_grad_norm: gradient-norm clip of both networks (0 = off).
+        rewards / reward_combine: validation rewards (default: the shapes verifier).
+        seed: seed of all randomness.
+    """
+
+    def __init__(
+        self,
+        transformer: ModelSpec | None = None,
+        text_encoder: str = MINILM,
+        max_text_length: int = 32,
+        generator: GeneratorSpec | None = None,
+        lora: LoraSpec | None = None,
+        schedule: ChunkSchedule | None = None,
+        num_frames: int = 8,
+        frame_shape: list[int] | None = None,
+        discriminator: ModelSpec | None = None,
+        samples_per_prompt: int = 2,
+        discriminator_steps: int = 1,
+        r1_weight: float = 0.0,
+        r2_weight: float = 0.0,
+        clip_c: float = 5.0,
+        nft_beta: float = 1.0,
+        adaptive: bool = True,
+        ref_weight: float = 1e-4,
+        old_decay_ramp: float = 0.001,
+        old_decay_max: float = 0.5,
+        sigma_per_chunk: bool = True,
+        nft_steps: int = 1,
+        student_optimizer: OptimizerCallable = torch.optim.AdamW,
+        discriminator_optimizer: OptimizerCallable = torch.optim.AdamW,
+        max_grad_norm: float = 1.0,
+        rewards: list[dict[str, Any]] | None = None,
+        reward_combine: Literal["weighted_sum", "zscore_sum"] = "weighted_sum",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if generator is not None and transformer is not None:
+            raise ValueError("give either transformer (genrl's DiT student) or generator (a diffusers family), not both")
+        for name, value in (("samples_per_prompt", samples_per_prompt), ("discriminator_steps", discriminator_steps),
+                            ("nft_steps", nft_steps)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= old_decay_max < 1 or old_decay_ramp < 0:
+            raise ValueError(f"need 0 <= old_decay_max < 1 and old_decay_ramp >= 0, got {old_decay_max}, {old_decay_ramp}")
+        self.save_hyperparameters(ignore=["student_optimizer", "discriminator_optimizer"])
+        self.automatic_optimization = False
+        self.generator_spec = generator
+        self.transformer_spec = transformer or ModelSpec(pretrained="assets/shapes-dit")
+        self.schedule = schedule or ChunkSchedule(timesteps=[1000.0, 750.0, 500.0, 250.0], shift=1.0)
+        self.schedule.causal.num_chunks(num_frames)
+        self.frame_shape = tuple(frame_shape) if frame_shape else None
+        self.discriminator_spec = discriminator
+        self.student_factory, self.disc_factory = student_optimizer, discriminator_optimizer
+        self.generator = None
+        self.discriminator = None
+        self.old_transformer = None
+        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
+        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
+        self.rewards = None
+
+    # ------------------------------------------------------------------ construction
+    def configure_model(self) -> None:
+        if self.generator is not None:
+            return
+        gen = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
+                           self.hparams.max_text_length, self.hparams.lora)
+        gen.causal = self.schedule.causal
+        self.generator = gen
+        fd = getattr(gen, "frame_dim", 1)
+        if self.frame_shape is None:
+            shape = getattr(gen, "latent_shape", None)
+            self.frame_shape = (tuple(v for i, v in enumerate(shape) if i != fd - 1) if shape is not None
+                                else (3, 16, 16))
+        if self.discriminator_spec is not None:
+            disc = self.discriminator_spec.build()
+        else:
+            from genrl.models.discriminator import VideoDiscriminator
+
+            text_dim = getattr(getattr(gen, "text_encoder", None), "hidden_size", None) or 384
+            patch = (2, 2, 2) if fd == 1 else (1, 2, 2)
+            disc = VideoDiscriminator(in_channels=self.frame_shape[0], patch_size=patch, text_dim=text_dim,
+                                      frame_dim=fd)
+        self.discriminator = disc.train()
+        # theta_old: a soft copy of the trained weights (checkpointed: exact resume); the reference is the initial
+        # student (rebuilt from the spec, or the adapter-disabled model with LoRA): never checkpointed
+        self.old_transformer = copy.deepcopy(gen.transformer).requires_grad_(False).eval()
+        reference = None
+        if self.hparams.ref_weight > 0 and self.hparams.lora is None:
+            reference = copy.deepcopy(gen.transformer).requires_grad_(False).eval()
+        object.__setattr__(self, "_reference", reference)
+
+    def setup(self, stage: str) -> None:
+        self.configure_model()
+        ensure_reward_manager(self)
+
+    def configure_optimizers(self):
+        student = [p for p in self.generator.transformer.parameters() if p.requires_grad]
+        disc = [p for p in self.discriminator.parameters() if p.requires_grad]
+        return [self.student_factory(student), self.disc_factory(disc)]
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        save_reward_state(self, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        stash_reward_state(self, checkpoint)
+
+    # ------------------------------------------------------------------ pieces
+    @property
+    def frame_dim(self) -> int:
+        return int(getattr(self.generator, "frame_dim", 1))
+
+    def student_rollouts(self, cond, indices: torch.Tensor, seed: int) -> torch.Tensor:
+        """Clean student latents for ``cond`` (no gradient), chunk by chunk with the KV cache."""
+        with torch.no_grad():
+            out = ar_rollout(self.generator, cond, self.schedule.causal.num_chunks(self.hparams.num_frames),
+                             self.frame_shape, self.schedule, seed=seed, indices=indices)
+        return out.latents.float()
+
+    def teacher_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Teacher clips (pixels [B, T, 3, H, W] in [0, 1], already in the student's format) -> latents."""
+        with torch.no_grad():
+            return self.generator.encode(pixels.to(self.device)).float()
+
+    def scores(self, latents: torch.Tensor, cond, double_backward: bool | None = None) -> torch.Tensor:
+        return self.discriminator.score(latents, cond, frame_dim=self.frame_dim, double_backward=double_backward)
+
+    def discriminator_loss(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s):
+        """BT loss on (teacher, student) pairs (teacher rows repeated K times) + R1 / R2; returns (loss, accuracy)."""
+        k = self.hparams.samples_per_prompt
+        use_r1, use_r2 = self.hparams.r1_weight > 0, self.hparams.r2_weight > 0
+        y = teacher.detach().requires_grad_(use_r1)
+        x = student.detach().requires_grad_(use_r2)
+        s_y = self.scores(y, cond_t, double_backward=use_r1 or None)
+        s_x = self.scores(x, cond_s, double_backward=use_r2 or None)
+        s_y_rep = s_y.repeat_interleave(k)
+        loss = bt_loss(s_y_rep, s_x)
+        if use_r1:
+            loss = loss + self.hparams.r1_weight * r1_penalty(s_y, y)
+        if use_r2:
+            loss = loss + self.hparams.r2_weight * r2_penalty(s_x, x)
+        accuracy = (s_y_rep > s_x).float().mean()
+        return loss, accuracy.detach()
+
+    def advantages(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s):
+        """d = D(student) - D(paired teacher); batch-centred advantages A and r (no gradient)."""
+        with torch.no_grad():
+            d = self.scores(student, cond_s) - self.scores(teacher, cond_t).repeat_interleave(
+                self.hparams.samples_per_prompt)
+        adv = centered_advantages(d, clip=self.hparams.clip_c)
+        return d, adv, advantage_to_r(adv, self.hparams.clip_c)
+
+    def _sigma(self, indices: torch.Tensor, it: int, step: int, num_frames: int) -> torch.Tensor:
+        """sigma [B, T] constant inside each chunk (or per video), uniform in (0.02, 0.98)."""
+        causal = self.schedule.causal
+        chunks = causal.num_chunks(num_frames) if self.hparams.sigma_per_chunk else 1
+        u = rand_per_sample((chunks,), mix_seed(self.hparams.seed, it), indices, step=step, stream=_STREAM_SIGMA)
+        u = 0.02 + 0.96 * u
+        if not self.hparams.sigma_per_chunk:
+            return u.expand(len(indices), num_frames).contiguous()
+        lengths = torch.tensor([causal.chunk_len(k) for k in range(chunks)])
+        return u.repeat_interleave(lengths, dim=1)
+
+    def nft_step_loss(self, x0: torch.Tensor, r: torch.Tensor, cond, indices: torch.Tensor, it: int, step: int):
+        """DiffusionNFT loss (+ reference term) on the student's own samples ``x0`` with optimality ``r`` [B]."""
+        fd = self.frame_dim
+        t = x0.shape[fd]
+        sigma = self._sigma(indices, it, step, t).to(x0.device)
+        eps = randn_per_sample(x0.shape[1:], mix_seed(self.hparams.seed, it), indices, step=step, stream=_STREAM_EPS,
+                               device=x0.device)
+        x_t = add_noise(x0, eps, sigma, frame_dim=fd)
+        causal = self.schedule.causal
+        gen = self.generator
+        v = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
+        with torch.no_grad(), _Swap(gen, self.old_transformer):
+            v_old = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
+        loss = nft_loss(v, v_old, x_t, x0, sigma, r.to(v.device), beta=self.hparams.nft_beta,
+                        clip_c=self.hparams.clip_c, adaptive=self.hparams.adaptive, frame_dim=fd)
+        stats = {"nft_loss": loss.detach()}
+        if self.hparams.ref_weight > 0:
+            with torch.no_grad():
+                if self.hparams.lora is not None:
+                    gen.transformer.disable_adapters()
+                    try:
+                        v_ref = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
+                    finally:
+                        gen.transformer.enable_adapters()
+                else:
+                    with _Swap(gen, self._reference.to(self.device)):
+                        v_ref = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
+            reg = ref_regularizer(v, v_ref, frame_dim=fd)
+            loss = loss + self.hparams.ref_weight * reg
+            stats["ref_reg"] = reg.detach()
+        return loss, stats
+
+    @torch.no_grad()
+    def update_old_policy(self) -> float:
+        """theta_old <- eta theta_old + (1 - eta) theta, eta = min(ramp * iteration, max); returns eta."""
+        eta = min(self.hparams.old_decay_ramp * int(self.iteration), self.hparams.old_decay_max)
+        for p_old, p in zip(self.old_transformer.parameters(), self.generator.transformer.parameters()):
+            p_old.lerp_(p.detach().to(p_old.dtype), 1.0 - eta)
+        return eta
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        restore_reward_state(self)
+        if "teacher_pixels" not in batch:
+            raise ValueError("AFD batches need 'teacher_pixels' (use genrl.data.TeacherVideoDataModule, or a "
+                             "datamodule that attaches teacher clips of the student's format)")
+        prompts, indices = list(batch["prompts"]), batch["index"].cpu()
+        k = self.hparams.samples_per_prompt
+        it = int(self.iteration)
+        opt_s, opt_d = self.optimizers()
+        gen = self.generator
+        cond_t = gen.encode_prompts(prompts)
+        s_prompts = [p for p in prompts for _ in range(k)]
+        s_indices = (indices[:, None] * k + torch.arange(k)[None]).flatten()
+        cond_s = gen.encode_prompts(s_prompts)
+        teacher = self.teacher_latents(batch["teacher_pixels"])
+        student = self.student_rollouts(cond_s, s_indices, mix_seed(self.hparams.seed, it, 1))
+        bs = len(s_prompts)
+
+        for _ in range(self.hparams.discriminator_steps):
+            opt_d.zero_grad()
+            loss_d, acc = self.discriminator_loss(teacher, student, cond_t, cond_s)
+            self._check_finite(loss_d, "discriminator")
+            self.manual_backward(loss_d)
+            if self.hparams.max_grad_norm > 0:
+                self.clip_gradients(opt_d, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+            opt_d.step()
+        self.log("train/disc_loss", loss_d.detach(), batch_size=bs)
+        self.log("train/disc_accuracy", acc, prog_bar=True, batch_size=bs)
+
+        d, adv, r = self.advantages(teacher, student, cond_t, cond_s)
+        self.log("train/score_gap", d.mean(), batch_size=bs)
+        self.log("train/r_mean", r.mean(), batch_size=bs)
+        opt_s.zero_grad()
+        stats_sum: dict[str, float] = {}
+        for step in range(self.hparams.nft_steps):
+            loss, stats = self.nft_step_loss(student, r, cond_s, s_indices, it, step)
+            self._check_finite(loss, "student")
+            self.manual_backward(loss / self.hparams.nft_steps)
+            for key, value in stats.items():
+                stats_sum[key] = stats_sum.get(key, 0.0) + float(value) / self.hparams.nft_steps
+        if self.hparams.max_grad_norm > 0:
+            self.clip_gradients(opt_s, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        opt_s.step()
+        eta = self.update_old_policy()
+        for key, value in stats_sum.items():
+            self.log(f"train/{key}", value, batch_size=bs)
+        self.log("train/old_policy_eta", eta, batch_size=bs)
+        self.iteration += 1
+        self.log("train/iteration", float(self.iteration), batch_size=bs)
+
+    def _check_finite(self, loss: torch.Tensor, role: str) -> None:
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite {role} loss {loss.item()} at iteration {int(self.iteration)}; lower "
+                                     f"the {role} learning rate")
+
+    # ------------------------------------------------------------------ validation
+    @torch.no_grad()
+    def generate(self, prompts: list[str], indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Student videos (pixels [B, T, C, H, W] in [0, 1]) with the training schedule."""
+        cond = self.generator.encode_prompts(prompts)
+        out = ar_rollout(self.generator, cond, self.schedule.causal.num_chunks(self.hparams.num_frames),
+                         self.frame_shape, self.schedule, seed=self.hparams.seed, indices=indices)
+        return self.generator.decode(out.latents)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> dict:
+        prompts = list(batch["prompts"])
+        videos = self.generate(prompts, batch["index"].cpu())
+        result = self.rewards(videos.float().cpu(), prompts)
+        for key, value in result.metrics().items():
+            if key != "total":
+                self.log(f"val/{key}", float(value), batch_size=len(prompts))
+        self.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
+                 prog_bar=True, batch_size=len(prompts))
+        if "teacher_pixels" in batch:  # held-out teacher clips: how well D still separates them
+            cond = self.generator.encode_prompts(prompts)
+            acc = (self.scores(self.teacher_latents(batch["teacher_pixels"]), cond)
+                   > self.scores(self.generator.encode(videos.to(self.device)).float(), cond)).float().mean()
+            self.log("val/disc_accuracy", acc, batch_size=len(prompts))
+        return {"videos": videos, "prompts": prompts}
