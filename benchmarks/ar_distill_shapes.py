@@ -12,7 +12,7 @@ all-attributes-correct rate (mean and spread over seeds), a Frechet distance to 
 prompts, and frames per second of generation on this machine's CPU (sampling + decoding, model loading excluded).
 
 Distribution distance (a shapes-world stand-in for FVD, which needs I3D weights): videos are flattened, projected
-on the top 64 principal components of 2,048 independent real videos, and the Frechet distance between Gaussian
+on the top 32 principal components of 2,048 independent real videos, and the Frechet distance between Gaussian
 fits of generated and real projections is reported (``fd_pix``), next to the same distance between two
 independent real sets (``fd_real_vs_real``, the noise floor).
 
@@ -52,7 +52,7 @@ def real_videos(world, prompts: list[str], seed: int) -> torch.Tensor:
 class PixelFD:
     """Frechet distance in a 64-d PCA space of flattened real videos (fit once on ``reference``)."""
 
-    def __init__(self, reference: torch.Tensor, dims: int = 64) -> None:
+    def __init__(self, reference: torch.Tensor, dims: int = 32) -> None:
         x = reference.reshape(len(reference), -1).double()
         self.mean = x.mean(0)
         _, _, v = torch.linalg.svd(x - self.mean, full_matrices=False)
@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--stream-frames", type=int, default=0, help="also stream videos of this many latent frames")
+    p.add_argument("--stream-students", nargs="+", default=None, help="students to stream (default: all)")
     p.add_argument("--window", type=int, default=6)
     p.add_argument("--sink", type=int, default=2)
+    p.add_argument("--stream-only", action="store_true", help="only the streaming run of each student")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -180,25 +182,28 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:>22s}: reward {s['reward']['mean']:.3f}±{s['reward']['std']:.3f}  all-correct "
               f"{s['all_correct']['mean']:.3f}  fd_pix {entry['fd_pix']:.2f}  {entry['fps_cpu']:.0f} frames/s", flush=True)
 
-    teacher = _load(args.teacher)
-    nfe = args.teacher_steps * (2 if args.teacher_cfg != 1 else 1)
-    run(f"teacher_{args.teacher_steps}step_cfg{args.teacher_cfg:g}",
-        lambda seed: sample_teacher(teacher, prompts, world, seed, args.teacher_steps, args.teacher_cfg, args.batch), nfe)
+    if not args.stream_only:
+        teacher = _load(args.teacher)
+        nfe = args.teacher_steps * (2 if args.teacher_cfg != 1 else 1)
+        run(f"teacher_{args.teacher_steps}step_cfg{args.teacher_cfg:g}",
+            lambda seed: sample_teacher(teacher, prompts, world, seed, args.teacher_steps, args.teacher_cfg, args.batch),
+            nfe)
     for spec in args.student:
         name, path = spec.split("=", 1)
         causal = CausalConfig(2)
         gen = _load(path, causal)
         chunks = causal.num_chunks(world.num_frames)
-        for steps in args.steps:
+        for steps in ([] if args.stream_only else args.steps):
             sched = ChunkSchedule(causal=causal, timesteps=_timesteps(steps), shift=args.shift)
             run(f"{name}_{steps}step", lambda seed: sample_student(gen, prompts, world, seed, sched, args.batch),
                 chunks * (steps + 1))
-        if args.stream_frames:
+        if args.stream_frames and (args.stream_students is None or name in args.stream_students):
             result.setdefault("stream", {})[name] = stream(gen, prompts, world, verifier, args)
 
-    t = result["models"][next(iter(result["models"]))]
-    for name, entry in result["models"].items():
-        entry["speedup_vs_teacher"] = entry["fps_cpu"] / t["fps_cpu"]
+    if result["models"]:
+        t = result["models"][next(iter(result["models"]))]
+        for name, entry in result["models"].items():
+            entry["speedup_vs_teacher"] = entry["fps_cpu"] / t["fps_cpu"]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
@@ -206,25 +211,36 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def stream(gen, prompts, world, verifier, args) -> dict:
-    """Videos of ``--stream-frames`` latent frames with window + sink; verifier scores per training-length window."""
+    """Videos of ``--stream-frames`` latent frames with window + sink; verifier scores per training-length window,
+    for all prompts and for the "staying still" ones (moving shapes leave the 16 px frame after 8-20 frames, so
+    only still prompts keep every window scoreable)."""
     from genrl.models.causal import CausalConfig
     from genrl.rollout.autoregressive import ChunkSchedule
 
     out = {}
+    still = [i for i, p in enumerate(prompts) if "still" in p]
     for positions in ("absolute", "relative"):
         causal = CausalConfig(2, local_window=args.window, sink_frames=args.sink, positions=positions)
         sched = ChunkSchedule(causal=causal, timesteps=_timesteps(4), shift=args.shift)
+        t0 = time.perf_counter()
         videos = sample_student(gen, prompts, world, args.seeds[0], sched, args.batch, num_frames=args.stream_frames)
+        fps = videos.shape[0] * videos.shape[1] / (time.perf_counter() - t0)
         t = world.num_frames
         windows = []
         for start in range(0, args.stream_frames - t + 1, t):
-            s = _score(verifier, videos[:, start:start + t].contiguous(), prompts)
-            windows.append({"frames": [start, start + t], **{k: s.get(k, math.nan) for k in (
-                "reward", "all_correct", "color_correct", "shape_correct", "direction_correct", "consistency")}})
-            print(f"  stream {positions:8s} frames {start:2d}-{start + t - 1:2d}: reward {s['reward']:.3f} "
-                  f"color {s.get('color_correct', math.nan):.3f} shape {s.get('shape_correct', math.nan):.3f} "
-                  f"direction {s.get('direction_correct', math.nan):.3f}", flush=True)
-        out[positions] = windows
+            clip = videos[:, start:start + t].contiguous()
+            s_all = _score(verifier, clip, prompts)
+            s_still = _score(verifier, clip[still], [prompts[i] for i in still])
+            keys = ("reward", "all_correct", "color_correct", "shape_correct", "direction_correct", "consistency")
+            windows.append({"frames": [start, start + t], "all": {k: s_all.get(k, math.nan) for k in keys},
+                            "still": {k: s_still.get(k, math.nan) for k in keys}})
+            print(f"  stream {positions:8s} frames {start:2d}-{start + t - 1:2d}: all: reward {s_all['reward']:.3f} "
+                  f"direction {s_all.get('direction_correct', math.nan):.3f} | still ({len(still)}): reward "
+                  f"{s_still['reward']:.3f} all-correct {s_still['all_correct']:.3f} shape "
+                  f"{s_still.get('shape_correct', math.nan):.3f} consistency {s_still.get('consistency', math.nan):.3f}",
+                  flush=True)
+        out[positions] = {"windows": windows, "fps_cpu": fps, "window": args.window, "sink": args.sink,
+                          "num_still_prompts": len(still)}
     return out
 
 

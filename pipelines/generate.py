@@ -243,6 +243,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     cfg_scale=cfg_scale, shift=schedule.shift if schedule is not None else shift,
                     kernel="ode" if schedule is None else f"causal_{schedule.kernel}", height=height, width=width,
                     num_frames=num_frames, fps=fps if is_video else None)
+    if schedule is not None:  # the causal student's layout and few-step list
+        c = schedule.causal
+        settings.update(timesteps=schedule.timesteps, chunk_size=c.chunk_size, first_chunk_size=c.first_chunk_size,
+                        local_window=c.local_window, sink_frames=c.sink_frames, positions=c.positions)
     print(f"loaded {kind} generator from {args.model} in {time.perf_counter() - t0:.1f} s; "
           f"{height}x{width}x{num_frames}, {steps} steps, CFG {cfg_scale}, shift {shift}, on {device}")
 
