@@ -21,7 +21,8 @@ FAMILY_CONFIGS = {
 COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/tiny/grpo.yaml": "configs/quickstart.yaml",
             "configs/tiny/pretrain.yaml": "configs/pretrain/shapes.yaml",
-            "configs/tiny/dmd.yaml": "configs/dmd/shapes.yaml"}
+            "configs/tiny/dmd.yaml": "configs/dmd/shapes.yaml",
+            "configs/tiny/afd.yaml": "configs/afd/shapes.yaml"}
 
 
 def _cli(args: list[str], run: bool) -> GenRLCLI:
