@@ -117,3 +117,48 @@ def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert changed == {"generator", "critic"} and int(cli.model.iteration) == 2
+
+
+def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
+    """configs/afd/wan2.1_t2v_1.3b.yaml with tiny random Wan components and a folder of synthetic teacher mp4s:
+    the causal Wan student (LoRA) and the discriminator train through the real CLI."""
+    from genrl.data.video_io import write_video
+    from genrl.models.families.tiny import TINY, TINY_SIZE
+
+    monkeypatch.chdir(tmp_path)
+    size = TINY_SIZE["wan"]
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    captions = []
+    for i, prompt in enumerate(["a red circle moving left", "a blue square staying still"]):
+        g = torch.Generator().manual_seed(i)
+        write_video(teacher / f"{i}.mp4", torch.rand(8, 3, 16, 16, generator=g), fps=16)
+        captions.append(json.dumps({"file": f"{i}.mp4", "prompt": prompt}))
+    (teacher / "captions.jsonl").write_text("\n".join(captions) + "\n")
+    override = {
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 4, "limit_val_batches": 0,
+                    "enable_progress_bar": False, "logger": False, "callbacks": []},
+        "model": {"init_args": {
+            "generator": {"pretrained": None, "components": TINY["wan"], "torch_dtype": "float32",
+                          "height": size["height"], "width": size["width"], "num_frames": size["num_frames"],
+                          "max_sequence_length": size["max_sequence_length"], "prompt_cache_dir": None},
+            "lora": {"rank": 4, "alpha": 4},
+            "discriminator": {"model_class": "genrl.models.discriminator.VideoDiscriminator",
+                              "config": {"in_channels": 16, "patch_size": [1, 2, 2], "hidden_size": 16,
+                                         "num_layers": 1, "num_attention_heads": 2, "text_dim": 32, "frame_dim": 2}},
+            "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
+            "rewards": [{"name": "colorfulness"}],
+        }},
+        "data": {"init_args": {"folder": str(teacher), "num_frames": size["num_frames"], "height": 16, "width": 16,
+                               "prompts_per_batch": 2, "val": "shapes:heldout"}},
+    }
+    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
+    cli = _cli(["--config", str(ROOT / "configs/afd/wan2.1_t2v_1.3b.yaml"), "--config", str(tmp_path / "tiny.yaml")],
+               run=False)
+    cli.model.configure_model()
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if p.requires_grad
+               and not torch.equal(before[n], p.detach())}
+    assert changed == {"generator", "discriminator"} and int(cli.model.iteration) == 2
+    assert all("lora_" in n for n in before if n.startswith("generator."))

@@ -89,6 +89,8 @@ class AFD(LightningModule):
         ref_weight: weight of ||v_theta - v_ref||^2 toward the initial student (DiffusionNFT's KL 1e-4).
         old_decay_ramp / old_decay_max: eta = min(ramp * iteration, max) of the old-policy update.
         sigma_per_chunk: one noise level per chunk (diffusion forcing); False shares one per video (as DMD).
+        sigma_from_schedule: draw the noise levels among the student's own step sigmas (where a few-step student
+            is evaluated, as in its ODE initialisation); False draws uniformly in (0.02, 0.98).
         nft_steps: NFT gradient steps per iteration, each with a fresh sigma / noise draw.
         student_optimizer / discriminator_optimizer: optimizer factories.
         max_grad_norm: gradient-norm clip of both networks (0 = off).
@@ -118,6 +120,7 @@ class AFD(LightningModule):
         old_decay_ramp: float = 0.001,
         old_decay_max: float = 0.5,
         sigma_per_chunk: bool = True,
+        sigma_from_schedule: bool = True,
         nft_steps: int = 1,
         student_optimizer: OptimizerCallable = torch.optim.AdamW,
         discriminator_optimizer: OptimizerCallable = torch.optim.AdamW,
@@ -243,11 +246,16 @@ class AFD(LightningModule):
         return d, adv, advantage_to_r(adv, self.hparams.clip_c)
 
     def _sigma(self, indices: torch.Tensor, it: int, step: int, num_frames: int) -> torch.Tensor:
-        """sigma [B, T] constant inside each chunk (or per video), uniform in (0.02, 0.98)."""
+        """sigma [B, T] constant inside each chunk (or per video): one of the student's step sigmas, or uniform in
+        (0.02, 0.98)."""
         causal = self.schedule.causal
         chunks = causal.num_chunks(num_frames) if self.hparams.sigma_per_chunk else 1
         u = rand_per_sample((chunks,), mix_seed(self.hparams.seed, it), indices, step=step, stream=_STREAM_SIGMA)
-        u = 0.02 + 0.96 * u
+        if self.hparams.sigma_from_schedule:
+            levels = self.schedule.sigmas()[:-1].float()
+            u = levels[(u * len(levels)).long().clamp_max(len(levels) - 1)]
+        else:
+            u = 0.02 + 0.96 * u
         if not self.hparams.sigma_per_chunk:
             return u.expand(len(indices), num_frames).contiguous()
         lengths = torch.tensor([causal.chunk_len(k) for k in range(chunks)])
