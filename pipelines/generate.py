@@ -130,6 +130,9 @@ def _causal_schedule(gen, args, shift: float):
                              kernel=recorded.kernel, context_noise=recorded.context_noise)
     causal = CausalConfig(args.causal_chunk, local_window=args.local_window, sink_frames=args.sink,
                           positions=args.positions)
+    patch = getattr(getattr(getattr(gen, "transformer", None), "config", None), "patch_size", None)
+    if isinstance(patch, (list, tuple)) and len(patch) == 3:
+        causal.check_patch(int(patch[0]))  # before any frame-count check: the size that is wrong is the chunk
     return ChunkSchedule(causal=causal, timesteps=args.timesteps or [1000.0, 750.0, 500.0, 250.0], shift=shift)
 
 

@@ -342,7 +342,7 @@ def test_errors_name_the_problem():
                         attention="block_causal", causal=CausalConfig(2), start_frame=4, kv_cache=cache)
     with pytest.raises(ValueError, match="needs cond"):
         ar_rollout(gen, None, 1, FRAME, sch)
-    with pytest.raises(ValueError, match="do not split into chunks"):
+    with pytest.raises(ValueError, match="do not split into a first chunk of 4 then chunks of 2"):
         CausalConfig(2, first_chunk_size=4).num_chunks(7)
 
 

@@ -138,6 +138,12 @@ def test_cadence_counts_optimizer_steps_and_resume_equals_uninterrupted(tmp_path
                         "a red circle moving left", "--out", str(tmp_path / "samples")])
     assert records[0]["kernel"] == "causal_consistency" and records[0]["steps"] == 2
     assert (tmp_path / "samples" / records[0]["file"]).is_file()
+    # an export records the chunk schedule next to the weights; loading it gives the causal student back
+    from genrl.callbacks import DiffusersExport
+
+    DiffusersExport(dirpath=str(tmp_path / "export")).on_train_end(full.trainer, full.model)
+    exported = load_generator(str(tmp_path / "export"), text_encoder=tiny_causal[2].split("=", 1)[1])
+    assert exported.schedule.timesteps == [1000.0, 500.0] and exported.causal.chunk_size == 2
 
     monkeypatch.chdir(tmp_path / "b")
     _cli([*tiny_causal, "--trainer.max_steps=3"])

@@ -7,6 +7,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 __all__ = ["DiffusersExport"]
 
 
+#: file next to an exported causal student's config.json: its ChunkSchedule (chunk layout, few-step list), so
+#: ``load_generator`` / ``pipelines/generate.py`` sample it chunk by chunk without extra flags.
+CAUSAL_SCHEDULE_FILE = "causal_schedule.json"
+
+
 class DiffusersExport(Callback):
     """At the end of ``fit``, save ``pl_module.generator.transformer`` with ``save_pretrained(dirpath)``.
 
@@ -34,3 +39,10 @@ class DiffusersExport(Callback):
         ema = find_ema(trainer)
         with ema.swapped(pl_module) if ema is not None else nullcontext():
             pl_module.generator.transformer.save_pretrained(self.dirpath, safe_serialization=self.safe_serialization)
+        schedule = getattr(pl_module, "schedule", None)
+        if schedule is not None and hasattr(schedule, "causal"):  # a causal student: how it generates
+            import json
+            from dataclasses import asdict
+            from pathlib import Path
+
+            Path(self.dirpath, CAUSAL_SCHEDULE_FILE).write_text(json.dumps(asdict(schedule), indent=2))

@@ -37,7 +37,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow import add_noise
 from genrl.flow.nft import (advantage_to_r, bt_loss, centered_advantages, nft_loss, r1_penalty, r2_penalty,
                              ref_regularizer)
-from genrl.methods.common import (build_policy, ensure_reward_manager, restore_reward_state, save_reward_state,
+from genrl.methods.common import (build_student, ensure_reward_manager, restore_reward_state, save_reward_state,
                                   stash_reward_state)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
@@ -158,7 +158,7 @@ class AFD(LightningModule):
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        gen = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
+        gen = build_student(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
                            self.hparams.max_text_length, self.hparams.lora)
         gen.causal = self.schedule.causal
         self.generator = gen

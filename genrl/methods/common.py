@@ -32,6 +32,24 @@ def build_policy(generator_spec, transformer_spec, text_encoder: str, max_text_l
     return generator
 
 
+def build_student(generator_spec, transformer_spec, text_encoder: str, max_text_length: int, lora=None):
+    """:func:`build_policy` for a distillation student, whose default weights are a previous stage's export:
+    a missing folder names the config key and the stage that writes it.
+
+    Raises:
+        FileNotFoundError: the student's weights are missing (with the fix).
+    """
+    try:
+        return build_policy(generator_spec, transformer_spec, text_encoder, max_text_length, lora)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"{e}\nThe student's starting weights (model.init_args.transformer.pretrained, or generator.pretrained / "
+            f"transformer_path) are missing. The shapes distillation configs start from the ODE-init stage: run "
+            f"`genrl fit --config configs/ode_init/shapes.yaml` first (it writes runs/ode_init_shapes/export), or "
+            f"start from the base model with --model.init_args.transformer.pretrained=assets/shapes-dit"
+        ) from e
+
+
 def build_reward_manager(specs: list[dict[str, Any]], combine: str, trainer=None):
     """A built :class:`~genrl.rewards.RewardManager` for ``specs``; the datamodule's shapes world (when the
     trainer has a datamodule with one) is passed to rewards that take it."""

@@ -29,7 +29,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow import add_noise, x0_from_velocity
 from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sample_dmd_sigma, sid_loss
 from genrl.flow.guidance import cfg_combine
-from genrl.methods.common import (build_policy, ensure_reward_manager, restore_reward_state, save_reward_state,
+from genrl.methods.common import (build_student, ensure_reward_manager, restore_reward_state, save_reward_state,
                                   stash_reward_state)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
@@ -175,7 +175,7 @@ class DMD(LightningModule):
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        self.generator = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
+        self.generator = build_student(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
                                       self.hparams.max_text_length, self.hparams.lora)
         self.generator.causal = self.schedule.causal
         if self.frame_shape is None:

@@ -95,8 +95,9 @@ class CausalConfig:
         while self.chunk_start(k) < num_frames:
             k += 1
         if self.chunk_start(k) != num_frames:
-            raise ValueError(f"{num_frames} latent frames do not split into chunks of {self.first_chunk_size or self.chunk_size}"
-                             f" then {self.chunk_size}; use a number of frames on a chunk boundary")
+            first = f"a first chunk of {self.first_chunk_size} then " if self.first_chunk_size else ""
+            raise ValueError(f"{num_frames} latent frames do not split into {first}chunks of {self.chunk_size} latent "
+                             f"frames; use a number of frames on a chunk boundary")
         return k
 
 

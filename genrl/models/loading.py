@@ -60,9 +60,10 @@ _EXPECTED = (
 
 
 def _resolve(path: str | Path) -> Path:
-    """``path`` as given, or relative to the repository root (``assets/shapes-dit`` run from elsewhere)."""
+    """``path`` as given, or, for the shipped ``assets/...`` only, relative to the repository root
+    (``assets/shapes-dit`` run from elsewhere; a missing ``runs/...`` is never taken from the checkout)."""
     p = Path(path).expanduser()
-    if not p.exists() and not p.is_absolute():
+    if not p.exists() and not p.is_absolute() and p.parts[:1] == ("assets",):  # shipped files only, never runs/
         repo_relative = Path(__file__).resolve().parents[2] / p
         if repo_relative.exists():
             return repo_relative
@@ -315,6 +316,10 @@ def load_generator(
 
             gen = DiTGenerator.from_pretrained(str(path), text_encoder=text_encoder or "minilm").eval()
             gen.load_info = dict(path=str(path), kind="dit_folder", ema=False, lora=False)
+            from genrl.callbacks.export import CAUSAL_SCHEDULE_FILE
+
+            if (path / CAUSAL_SCHEDULE_FILE).is_file():  # an exported causal student (ODE init / DMD / AFD)
+                _attach_schedule(gen, {"schedule": json.loads((path / CAUSAL_SCHEDULE_FILE).read_text())})
             return gen
         raise ValueError(
             f"{str(path)!r} holds a bare {name!r} model, not a generator; point at the whole diffusers pipeline "

@@ -62,7 +62,8 @@ class ModelSpec:
                 )
             folder = Path(self.pretrained).expanduser()
             repo_relative = Path(__file__).resolve().parents[2] / folder
-            if not folder.exists() and not folder.is_absolute() and repo_relative.exists():
+            if (not folder.exists() and not folder.is_absolute() and folder.parts[:1] == ("assets",)
+                    and repo_relative.exists()):
                 folder = repo_relative  # e.g. "assets/shapes-dit" run from outside the checkout
             cfg_dir = folder / self.subfolder if self.subfolder else folder
             if not (cfg_dir / "config.json").is_file():
