@@ -120,6 +120,9 @@ def _causal_schedule(gen, args, shift: float):
 
     recorded = getattr(gen, "schedule", None)
     if args.causal_chunk is None and recorded is None:
+        if args.local_window is not None or args.sink or args.timesteps is not None or args.positions != "absolute":
+            raise ValueError(f"--local-window / --sink / --timesteps / --positions apply to a causal student, but "
+                             f"{args.model!r} records no chunk schedule (causal_schedule.json); give --causal-chunk")
         return None
     if recorded is not None and args.causal_chunk is None:
         causal = recorded.causal
