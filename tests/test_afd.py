@@ -76,14 +76,17 @@ def test_afd_on_real_video_clips_discriminator_beats_chance(tmp_path, monkeypatc
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     model = cli.model
     assert int(model.iteration) == 3
-    # fresh pairs: teacher clips vs new student rollouts, scored by the trained discriminator
-    batch = next(iter(cli.datamodule.train_dataloader()))
-    prompts = list(batch["prompts"])
-    cond = model.generator.encode_prompts(prompts)
-    with torch.no_grad():
-        teacher = model.teacher_latents(batch["teacher_pixels"])
-        student = model.student_rollouts(cond, torch.arange(len(prompts)) + 1000, seed=123)
-        acc = (model.scores(teacher, cond) > model.scores(student, cond)).float().mean()
+    # fresh pairs: teacher clips vs new student rollouts, scored by the trained discriminator (4 batches, 8 pairs)
+    wins = []
+    for i, batch in zip(range(4), cli.datamodule.train_dataloader()):
+        prompts = list(batch["prompts"])
+        cond = model.generator.encode_prompts(prompts)
+        with torch.no_grad():
+            teacher = model.teacher_latents(batch["teacher_pixels"])
+            student = model.student_rollouts(cond, torch.arange(len(prompts)) + 1000 + 10 * i, seed=123)
+            wins.append(model.scores(teacher, cond) > model.scores(student, cond))
+    acc = torch.cat(wins).float().mean()
+    print(f"real-video AFD: discriminator accuracy on {len(torch.cat(wins))} fresh pairs {acc:.3f}")
     assert acc > 0.5, f"discriminator accuracy {acc:.2f} is not above chance"
 
 
