@@ -99,3 +99,23 @@ def test_afd_bad_input_errors(tmp_path, monkeypatch, tiny_policy, tiny_text_enco
     cli.model.configure_model()
     with pytest.raises(ValueError, match="teacher_pixels"):
         cli.model.training_step({"prompts": ["a red circle"], "index": torch.tensor([0])}, 0)
+
+
+def test_instance_noise_pairs_share_sigma(tmp_path, monkeypatch, tiny_policy, tiny_text_encoder, shapes_teacher):
+    monkeypatch.chdir(tmp_path)
+    cli = _cli(_args(tiny_policy, tiny_text_encoder, shapes_teacher) + ["--model.init_args.disc_noise_max=0.5",
+                                                                         "--model.init_args.samples_per_prompt=3"],
+               run=False)
+    model = cli.model
+    model.configure_model()
+    teacher = torch.randn(2, 8, 3, 16, 16)
+    student = torch.randn(6, 8, 3, 16, 16)
+    sig_t, y, sig_s, x = model._disc_noise(teacher, student, it=0, salt=1)
+    assert sig_t.shape == (2,) and torch.equal(sig_s, sig_t.repeat_interleave(3))
+    assert bool(((sig_t >= 0) & (sig_t <= 0.5)).all())
+    expected_mean = (1 - sig_t)[:, None, None, None, None] * teacher
+    assert not torch.allclose(y, teacher) and torch.allclose((y - expected_mean).std(), sig_t.mean(), rtol=0.5)
+    again = model._disc_noise(teacher, student, it=0, salt=1)
+    assert torch.equal(again[1], y) and torch.equal(again[3], x)  # addressed by (seed, iteration, salt)
+    model.hparams.disc_noise_max = 0.0
+    assert model._disc_noise(teacher, student, 0, 1)[1] is teacher

@@ -83,6 +83,9 @@ class AFD(LightningModule):
         samples_per_prompt: student rollouts K per prompt (each compared with the prompt's teacher clip).
         discriminator_steps: discriminator updates per iteration (n_D).
         r1_weight / r2_weight: gamma / 2 of the R1 (teacher) / R2 (student) gradient penalties (0 = off).
+        disc_noise_max: instance noise for the discriminator: each (teacher, student) pair is noised to a shared
+            sigma ~ U[0, disc_noise_max] (fresh noise per clip) before scoring, and D is told the sigma; 0 = clean
+            inputs only (the formulation of ar_distill.md section 1.6).
         clip_c: advantage clip C (DiffusionNFT 5).
         nft_beta: beta of the implicit policies (1.0 or 0.1).
         adaptive: DiffusionNFT's x0-space adaptive weighting (else the velocity form).
@@ -113,6 +116,7 @@ class AFD(LightningModule):
         discriminator_steps: int = 1,
         r1_weight: float = 0.0,
         r2_weight: float = 0.0,
+        disc_noise_max: float = 0.0,
         clip_c: float = 5.0,
         nft_beta: float = 1.0,
         adaptive: bool = True,
@@ -217,17 +221,35 @@ class AFD(LightningModule):
         with torch.no_grad():
             return self.generator.encode(pixels.to(self.device)).float()
 
-    def scores(self, latents: torch.Tensor, cond, double_backward: bool | None = None) -> torch.Tensor:
-        return self.discriminator.score(latents, cond, frame_dim=self.frame_dim, double_backward=double_backward)
+    def scores(self, latents: torch.Tensor, cond, double_backward: bool | None = None,
+               sigma: torch.Tensor | None = None) -> torch.Tensor:
+        return self.discriminator.score(latents, cond, sigma=sigma, frame_dim=self.frame_dim,
+                                        double_backward=double_backward)
 
-    def discriminator_loss(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s):
+    def _disc_noise(self, teacher: torch.Tensor, student: torch.Tensor, it: int, salt: int):
+        """Instance noise: (teacher_sigma [B], noised teacher, student_sigma [B*K], noised student), or the clean
+        inputs with sigma None when ``disc_noise_max`` is 0."""
+        if self.hparams.disc_noise_max <= 0:
+            return None, teacher, None, student
+        k = self.hparams.samples_per_prompt
+        g = torch.Generator().manual_seed(mix_seed(self.hparams.seed, it, salt))
+        sig_t = (torch.rand(teacher.shape[0], generator=g) * self.hparams.disc_noise_max).to(teacher.device)
+        eps_t = torch.randn(teacher.shape, generator=g).to(teacher.device)
+        eps_s = torch.randn(student.shape, generator=g).to(student.device)
+        sig_s = sig_t.repeat_interleave(k)
+        fd = self.frame_dim
+        return (sig_t, add_noise(teacher, eps_t, sig_t, frame_dim=fd), sig_s,
+                add_noise(student, eps_s, sig_s, frame_dim=fd))
+
+    def discriminator_loss(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s, salt: int = 0):
         """BT loss on (teacher, student) pairs (teacher rows repeated K times) + R1 / R2; returns (loss, accuracy)."""
         k = self.hparams.samples_per_prompt
         use_r1, use_r2 = self.hparams.r1_weight > 0, self.hparams.r2_weight > 0
+        sig_t, teacher, sig_s, student = self._disc_noise(teacher, student, int(self.iteration), salt)
         y = teacher.detach().requires_grad_(use_r1)
         x = student.detach().requires_grad_(use_r2)
-        s_y = self.scores(y, cond_t, double_backward=use_r1 or None)
-        s_x = self.scores(x, cond_s, double_backward=use_r2 or None)
+        s_y = self.scores(y, cond_t, double_backward=use_r1 or None, sigma=sig_t)
+        s_x = self.scores(x, cond_s, double_backward=use_r2 or None, sigma=sig_s)
         s_y_rep = s_y.repeat_interleave(k)
         loss = bt_loss(s_y_rep, s_x)
         if use_r1:
@@ -320,9 +342,9 @@ class AFD(LightningModule):
         student = self.student_rollouts(cond_s, s_indices, mix_seed(self.hparams.seed, it, 1))
         bs = len(s_prompts)
 
-        for _ in range(self.hparams.discriminator_steps):
+        for d_step in range(self.hparams.discriminator_steps):
             opt_d.zero_grad()
-            loss_d, acc = self.discriminator_loss(teacher, student, cond_t, cond_s)
+            loss_d, acc = self.discriminator_loss(teacher, student, cond_t, cond_s, salt=100 + d_step)
             self._check_finite(loss_d, "discriminator")
             self.manual_backward(loss_d)
             if self.hparams.max_grad_norm > 0:
