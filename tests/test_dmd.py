@@ -144,6 +144,7 @@ def test_cadence_counts_optimizer_steps_and_resume_equals_uninterrupted(tmp_path
     DiffusersExport(dirpath=str(tmp_path / "export")).on_train_end(full.trainer, full.model)
     exported = load_generator(str(tmp_path / "export"), text_encoder=tiny_causal[2].split("=", 1)[1])
     assert exported.schedule.timesteps == [1000.0, 500.0] and exported.causal.chunk_size == 2
+    assert exported.load_info["ema"] is True  # the tiny config has the EMA callback: the export holds its weights
 
     monkeypatch.chdir(tmp_path / "b")
     _cli([*tiny_causal, "--trainer.max_steps=3"])

@@ -315,8 +315,10 @@ def load_generator(
             from genrl.models.generator import DiTGenerator
 
             gen = DiTGenerator.from_pretrained(str(path), text_encoder=text_encoder or "minilm").eval()
-            gen.load_info = dict(path=str(path), kind="dit_folder", ema=False, lora=False)
-            from genrl.callbacks.export import CAUSAL_SCHEDULE_FILE
+            from genrl.callbacks.export import CAUSAL_SCHEDULE_FILE, EXPORT_INFO_FILE
+
+            info = json.loads((path / EXPORT_INFO_FILE).read_text()) if (path / EXPORT_INFO_FILE).is_file() else {}
+            gen.load_info = dict(path=str(path), kind="dit_folder", ema=bool(info.get("ema", False)), lora=False)
 
             if (path / CAUSAL_SCHEDULE_FILE).is_file():  # an exported causal student (ODE init / DMD / AFD)
                 _attach_schedule(gen, {"schedule": json.loads((path / CAUSAL_SCHEDULE_FILE).read_text())})
