@@ -44,9 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -66,18 +64,10 @@ def vbench_name(prompt: str, k: int, ext: str = "mp4") -> str:
 
 
 def _atomic_write(path: Path, write) -> None:
-    """Write ``path`` atomically: ``write(tmp)`` fills a temporary file in the same folder, which then gets mode
-    0644 and replaces ``path`` (os.replace); the temporary file is removed when anything fails."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """Write ``path`` atomically (see :func:`genrl.data.video_io.atomic_write`)."""
+    from genrl.data.video_io import atomic_write
+
+    atomic_write(path, write)
 
 
 def _write_png(path: Path, pixels: torch.Tensor) -> None:

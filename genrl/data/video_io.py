@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "atomic_write",
     "VideoInfo",
     "VideoReadError",
     "clip_indices",
@@ -347,6 +349,29 @@ def _to_uint8_frames(pixels: torch.Tensor) -> torch.Tensor:
     return out.permute(0, 2, 3, 1).contiguous()
 
 
+def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+    """Write ``path`` atomically: ``write(tmp)`` fills a temporary file in the same folder, which then gets mode
+    0644 and replaces ``path`` (``os.replace``), so readers and resumed runs never see a partial file; the
+    temporary file is removed when anything fails (the error propagates). Creates the parent folder.
+
+    Returns:
+        ``Path(path)``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; give the file ordinary permissions
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
 def write_video(
     path: str | os.PathLike,
     pixels: torch.Tensor,
@@ -399,9 +424,7 @@ def write_video(
 
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    def encode(tmp: str) -> None:
         with av.open(tmp, mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
             stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
             stream.width = int(array.shape[2])
@@ -414,10 +437,6 @@ def write_video(
                     container.mux(packet)
             for packet in stream.encode():
                 container.mux(packet)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; give the video ordinary permissions
-        os.replace(tmp, dest)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+
+    atomic_write(dest, encode)
     return str(dest)
