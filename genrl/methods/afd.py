@@ -27,7 +27,6 @@ index), so a resumed run repeats an uninterrupted one.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Literal
 
 import torch
@@ -37,8 +36,8 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow import add_noise
 from genrl.flow.nft import (advantage_to_r, bt_loss, centered_advantages, nft_loss, r1_penalty, r2_penalty,
                              ref_regularizer)
-from genrl.methods.common import (build_student, ensure_reward_manager, restore_reward_state, save_reward_state,
-                                  stash_reward_state)
+from genrl.methods.common import (build_student, ensure_reward_manager, frame_shape_of, log_validation_rewards,
+                                  restore_reward_state, save_reward_state, stash_reward_state, swapped_transformer)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
 from genrl.models.spec import ModelSpec
@@ -50,21 +49,6 @@ __all__ = ["AFD"]
 
 _STREAM_SIGMA = 31
 _STREAM_EPS = 32
-
-
-class _Swap:
-    """Context manager: evaluate ``generator`` with another transformer (old policy / reference)."""
-
-    def __init__(self, generator, transformer) -> None:
-        self.generator, self.transformer = generator, transformer
-
-    def __enter__(self):
-        self.live = self.generator.transformer
-        self.generator.transformer = self.transformer
-        return self.generator
-
-    def __exit__(self, *exc) -> None:
-        self.generator.transformer = self.live
 
 
 class AFD(LightningModule):
@@ -168,9 +152,7 @@ class AFD(LightningModule):
         self.generator = gen
         fd = getattr(gen, "frame_dim", 1)
         if self.frame_shape is None:
-            shape = getattr(gen, "latent_shape", None)
-            self.frame_shape = (tuple(v for i, v in enumerate(shape) if i != fd - 1) if shape is not None
-                                else (3, 16, 16))
+            self.frame_shape = frame_shape_of(gen)
         if self.discriminator_spec is not None:
             disc = self.discriminator_spec.build()
         else:
@@ -294,7 +276,7 @@ class AFD(LightningModule):
         causal = self.schedule.causal
         gen = self.generator
         v = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
-        with torch.no_grad(), _Swap(gen, self.old_transformer):
+        with torch.no_grad(), swapped_transformer(gen, self.old_transformer):
             v_old = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
         loss = nft_loss(v, v_old, x_t, x0, sigma, r.to(v.device), beta=self.hparams.nft_beta,
                         clip_c=self.hparams.clip_c, adaptive=self.hparams.adaptive, frame_dim=fd)
@@ -308,7 +290,7 @@ class AFD(LightningModule):
                     finally:
                         gen.transformer.enable_adapters()
                 else:
-                    with _Swap(gen, self._reference.to(self.device)):
+                    with swapped_transformer(gen, self._reference.to(self.device)):
                         v_ref = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
             reg = ref_regularizer(v, v_ref, frame_dim=fd)
             loss = loss + self.hparams.ref_weight * reg
@@ -391,12 +373,7 @@ class AFD(LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])
         videos = self.generate(prompts, batch["index"].cpu())
-        result = self.rewards(videos.float().cpu(), prompts)
-        for key, value in result.metrics().items():
-            if key != "total":
-                self.log(f"val/{key}", float(value), batch_size=len(prompts))
-        self.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
-                 prog_bar=True, batch_size=len(prompts))
+        log_validation_rewards(self, videos, prompts)
         if "teacher_pixels" in batch:  # held-out teacher clips: how well D still separates them
             cond = self.generator.encode_prompts(prompts)
             acc = (self.scores(self.teacher_latents(batch["teacher_pixels"]), cond)

@@ -24,8 +24,8 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss
 from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
-from genrl.methods.common import (build_policy, ensure_reward_manager, policy_optimizer, restore_reward_state,
-                                  save_reward_state, stash_reward_state)
+from genrl.methods.common import (build_policy, ensure_reward_manager, log_validation_rewards, policy_optimizer,
+                                  restore_reward_state, save_reward_state, stash_reward_state)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
 from genrl.models.spec import ModelSpec
@@ -220,10 +220,5 @@ class BranchGRPO(LightningModule):
         traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
                        self.eval_config, record=False)
         videos = self.generator.decode(traj.final)
-        result = self.rewards(videos.float().cpu(), prompts)
-        for key, value in result.metrics().items():
-            if key != "total":
-                self.log(f"val/{key}", float(value), batch_size=len(prompts))
-        self.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
-                 prog_bar=True, batch_size=len(prompts))
+        log_validation_rewards(self, videos, prompts)
         return {"videos": videos, "prompts": prompts}

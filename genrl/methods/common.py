@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -103,3 +105,39 @@ def policy_optimizer(generator, factory):
     return factory(params)
 
 
+
+
+def frame_shape_of(generator, latent_shape=None, default: tuple[int, ...] = (3, 16, 16)) -> tuple[int, ...]:
+    """Latent shape of one frame (without the frame axis) of ``latent_shape`` (default: the generator's
+    ``latent_shape``; ``default`` when it has none, e.g. genrl's DiT): DiT (C, H, W), Wan (C, h, w)."""
+    shape = latent_shape if latent_shape is not None else getattr(generator, "latent_shape", None)
+    if shape is None:
+        return tuple(default)
+    fd = getattr(generator, "frame_dim", 1)
+    return tuple(int(v) for i, v in enumerate(shape) if i != fd - 1)
+
+
+@contextmanager
+def swapped_transformer(generator, transformer):
+    """Evaluate ``generator`` (its input handling, text conditioning, causal layout) with another transformer:
+    a frozen teacher, a critic, an old policy or a reference. Restores the live transformer and layout."""
+    live, causal = generator.transformer, getattr(generator, "causal", None)
+    generator.transformer = transformer
+    try:
+        yield generator
+    finally:
+        generator.transformer = live
+        if causal is not None:
+            generator.causal = causal
+
+
+def log_validation_rewards(method, videos, prompts: list[str]) -> None:
+    """Score validation ``videos`` (pixels [B, T, C, H, W] in [0, 1]) with ``method.rewards`` and log
+    ``val/<reward>/<key>`` and ``val/total`` (mean over valid samples; NaN when none is valid)."""
+    result = method.rewards(videos.float().cpu(), prompts)
+    bs = len(prompts)
+    for key, value in result.metrics().items():
+        if key != "total":
+            method.log(f"val/{key}", float(value), batch_size=bs)
+    method.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
+               prog_bar=True, batch_size=bs)

@@ -19,7 +19,6 @@ repeats an uninterrupted one.
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Literal
 
 import torch
@@ -29,8 +28,8 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow import add_noise, x0_from_velocity
 from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sample_dmd_sigma, sid_loss
 from genrl.flow.guidance import cfg_combine
-from genrl.methods.common import (build_student, ensure_reward_manager, restore_reward_state, save_reward_state,
-                                  stash_reward_state)
+from genrl.methods.common import (build_student, ensure_reward_manager, frame_shape_of, log_validation_rewards,
+                                  restore_reward_state, save_reward_state, stash_reward_state, swapped_transformer)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
@@ -59,15 +58,8 @@ class ScoreRole:
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Bidirectional velocity of this role at ``x`` (generator layout), sigma [B] (or per frame)."""
-        live = self.generator.transformer
-        live_causal = getattr(self.generator, "causal", None)
-        self.generator.transformer = self.transformer
-        try:
-            return self.generator.velocity(x, sigma, cond, attention="bidirectional")
-        finally:
-            self.generator.transformer = live
-            if live_causal is not None:
-                self.generator.causal = live_causal
+        with swapped_transformer(self.generator, self.transformer) as gen:
+            return gen.velocity(x, sigma, cond, attention="bidirectional")
 
 
 class DMD(LightningModule):
@@ -179,10 +171,7 @@ class DMD(LightningModule):
                                       self.hparams.max_text_length, self.hparams.lora)
         self.generator.causal = self.schedule.causal
         if self.frame_shape is None:
-            shape = getattr(self.generator, "latent_shape", None)
-            fd = getattr(self.generator, "frame_dim", 1)
-            self.frame_shape = (tuple(v for i, v in enumerate(shape) if i != fd - 1) if shape is not None
-                                else (3, 16, 16))
+            self.frame_shape = frame_shape_of(self.generator)
         teacher = self.teacher_spec.build().requires_grad_(False).eval()
         critic = self.critic_spec.build() if self.critic_spec is not None else copy.deepcopy(teacher)
         self.critic = critic.requires_grad_(True).train()
@@ -348,10 +337,5 @@ class DMD(LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])
         videos = self.generate(prompts, batch["index"].cpu())
-        result = self.rewards(videos.float().cpu(), prompts)
-        for key, value in result.metrics().items():
-            if key != "total":
-                self.log(f"val/{key}", float(value), batch_size=len(prompts))
-        self.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
-                 prog_bar=True, batch_size=len(prompts))
+        log_validation_rewards(self, videos, prompts)
         return {"videos": videos, "prompts": prompts}

@@ -26,8 +26,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss, gaussian_kl, group_advantages, group_stats, velocity_kl
-from genrl.methods.common import (build_policy, ensure_reward_manager, policy_optimizer, restore_reward_state,
-                                  save_reward_state, stash_reward_state)
+from genrl.methods.common import (build_policy, ensure_reward_manager, log_validation_rewards, policy_optimizer,
+                                  restore_reward_state, save_reward_state, stash_reward_state, swapped_transformer)
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.spec import ModelSpec
@@ -198,12 +198,8 @@ class GRPO(LightningModule):
                     return guided_velocity(self.generator, x, sigma, cond, uncond, cfg, mb)
                 finally:
                     self.generator.transformer.enable_adapters()
-            live = self.generator.transformer
-            self.generator.transformer = self._reference
-            try:
-                return guided_velocity(self.generator, x, sigma, cond, uncond, cfg, mb)
-            finally:
-                self.generator.transformer = live
+            with swapped_transformer(self.generator, self._reference) as gen:
+                return guided_velocity(gen, x, sigma, cond, uncond, cfg, mb)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         if self._trainer is None or self.trainer.world_size == 1:
@@ -326,10 +322,5 @@ class GRPO(LightningModule):
         traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
                        self.eval_config, record=False)
         videos = self.generator.decode(traj.final)
-        result = self._score(videos, prompts)
-        for key, value in result.metrics().items():
-            if key not in ("total",):
-                self.log(f"val/{key}", float(value), batch_size=len(prompts))
-        self.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
-                 prog_bar=True, batch_size=len(prompts))
+        log_validation_rewards(self, videos, prompts)
         return {"videos": videos, "prompts": prompts}

@@ -23,7 +23,6 @@ scores with the configured rewards and returns ``{"videos", "prompts"}`` for
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Literal
@@ -33,8 +32,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import ode_regression_loss, x0_from_velocity
-from genrl.methods.common import (build_policy, ensure_reward_manager, policy_optimizer, restore_reward_state,
-                                  save_reward_state, stash_reward_state)
+from genrl.methods.common import (build_policy, ensure_reward_manager, frame_shape_of, log_validation_rewards,
+                                  policy_optimizer, restore_reward_state, save_reward_state, stash_reward_state)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.causal import CausalConfig
 from genrl.models.families import GeneratorSpec
@@ -372,7 +371,7 @@ class ODEInit(LightningModule):
         """
         shape = self.resolve_latent_shape()
         fd = self.frame_dim
-        frame_shape = tuple(d for i, d in enumerate(shape) if i != fd - 1)
+        frame_shape = frame_shape_of(self.generator, shape)
         k = num_chunks or self.hparams.val_num_chunks or self.schedule.causal.num_chunks(shape[fd - 1])
         cond = self.generator.encode_prompts(list(prompts))
         idx = None if indices is None else torch.as_tensor(indices).cpu()
@@ -386,13 +385,7 @@ class ODEInit(LightningModule):
         prompts = list(batch["prompts"])
         latents = self.generate(prompts, batch.get("index"))
         videos = self.generator.decode(latents)
-        result = self.rewards(videos.float().cpu(), prompts)
-        bs = len(prompts)
-        for key, value in result.metrics().items():
-            if key != "total":
-                self.log(f"val/{key}", float(value), batch_size=bs)
-        self.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
-                 prog_bar=True, batch_size=bs)
+        log_validation_rewards(self, videos, prompts)
         return {"videos": videos, "prompts": prompts}
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
