@@ -37,7 +37,6 @@ samples the student on prompts it never regressed on and scores the videos.
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +45,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from genrl.data.prompts import PromptRecord, load_prompts
+from genrl.data.prompts import load_prompts, val_prompt_batches
 from genrl.data.shapes import ShapesWorldConfig, as_world, sample_seed
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
 
@@ -290,16 +289,6 @@ class ODEPairsTrainLoader(ShapesTrainLoader):
             self._consumed = self.dataset.local_batch(int(position.reshape(-1)[0])) + 1
 
 
-def _val_batches(records: list[PromptRecord], batch_size: int) -> list[dict[str, Any]]:
-    out = []
-    for lo in range(0, len(records), batch_size):
-        part = records[lo : lo + batch_size]
-        index = torch.tensor([-(lo + i + 1) for i in range(len(part))], dtype=torch.int64)
-        out.append({"prompts": [r.prompt for r in part], "index": index, "group": index.clone(),
-                    "metadata": [copy.deepcopy(r.metadata) for r in part]})
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- datamodule
 class ODEPairsDataModule(ResumableStreamDataModule):
     """ODE pairs for the ODE initialisation of a causal student, plus held-out prompts for validation.
@@ -389,7 +378,7 @@ class ODEPairsDataModule(ResumableStreamDataModule):
                 self._val_batches = []
             else:
                 records = load_prompts(h.val, h.prompt_key, world=self.world)[: h.val_size]
-                self._val_batches = _val_batches(records, h.val_batch_size or h.batch_size)
+                self._val_batches = val_prompt_batches(records, h.val_batch_size or h.batch_size)
         return self._val_batches
 
     def val_dataloader(self) -> DataLoader:

@@ -59,6 +59,7 @@ from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainL
 
 __all__ = [
     "PromptRecord",
+    "val_prompt_batches",
     "PromptStream",
     "PromptDataModule",
     "load_prompts",
@@ -339,7 +340,9 @@ class PromptStream(IterableDataset):
             b += n
 
 
-def _val_batches(records: list[PromptRecord], batch_size: int) -> list[dict[str, Any]]:
+def val_prompt_batches(records: list[PromptRecord], batch_size: int) -> list[dict[str, Any]]:
+    """Validation batches of ``batch_size`` prompt records: ``{"prompts", "index" (negative ids -1, -2, ...: never
+    a training sample's), "group" (= index), "metadata"}``, the training batch format of the prompt DataModules."""
     out = []
     for lo in range(0, len(records), batch_size):
         chunk = records[lo : lo + batch_size]
@@ -447,7 +450,7 @@ class PromptDataModule(ResumableStreamDataModule):
                 self._val_batches = []
             else:
                 records = load_prompts(h.val, h.prompt_key, world=self.world)[: h.val_size]
-                self._val_batches = _val_batches(records, h.prompts_per_batch * h.group_size)
+                self._val_batches = val_prompt_batches(records, h.prompts_per_batch * h.group_size)
         return self._val_batches
 
     def val_dataloader(self) -> DataLoader:

@@ -93,7 +93,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from genrl.data.prompts import PromptRecord, PromptStream, load_prompts
+from genrl.data.prompts import PromptRecord, PromptStream, load_prompts, val_prompt_batches
 from genrl.data.shapes import ShapesWorldConfig, as_world
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
 from genrl.data.video_folder import DEFAULT_VIDEO_EXTENSIONS
@@ -1230,16 +1230,11 @@ class TeacherVideoDataModule(ResumableStreamDataModule):
                 store_val = h.val == "store"
                 records = (self.holdout_records if store_val
                            else load_prompts(h.val, h.prompt_key, world=self.world))[: h.val_size]
-                size = h.val_batch_size or h.prompts_per_batch
-                batches = []
-                for lo in range(0, len(records), size):
-                    part = records[lo : lo + size]
-                    index = torch.tensor([-(lo + i + 1) for i in range(len(part))], dtype=torch.int64)
-                    batch = {"prompts": [r.prompt for r in part], "index": index, "group": index.clone(),
-                             "metadata": [dict(r.metadata) for r in part]}
-                    if store_val:
-                        batch.update(_teacher_fields(self.store, batch["prompts"], h.seed, index, h.load_pixels))
-                    batches.append(batch)
+                batches = val_prompt_batches(records, h.val_batch_size or h.prompts_per_batch)
+                if store_val:
+                    for batch in batches:
+                        batch.update(_teacher_fields(self.store, batch["prompts"], h.seed, batch["index"],
+                                                     h.load_pixels))
                 self._val_batches = batches
         return self._val_batches
 
