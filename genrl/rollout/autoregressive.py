@@ -19,7 +19,6 @@ noise as a straight rollout.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -455,16 +454,3 @@ def teacher_forced_velocity(generator, x0: torch.Tensor, x_t: torch.Tensor, sigm
         ctx = torch.full((b,), context_sigma, device=x0.device, dtype=x0.dtype)
         generator.commit(_frames(x0, s0, s0 + length, fd).detach(), ctx, cond, cache)
     return torch.cat(outs, dim=fd)
-
-
-def frames_to_chunks(num_frames: int, causal: CausalConfig) -> int:
-    """Number of chunks of ``num_frames`` latent frames (raises ValueError off a chunk boundary)."""
-    return causal.num_chunks(num_frames)
-
-
-def stream_positions_bound(causal: CausalConfig) -> float:
-    """Largest temporal position a query can get in ``"relative"`` mode (sink + window frames), or inf in
-    ``"absolute"`` mode or without a window."""
-    if causal.positions == "absolute" or causal.local_window is None:
-        return math.inf
-    return causal.sink_frames + causal.local_window
