@@ -81,7 +81,20 @@ def flow_midpoint(a: np.ndarray, b: np.ndarray, params: dict[str, Any] | None = 
     return np.clip((wa + wb) / 2.0, 0, 255).astype(np.uint8)
 
 
-class DynamicDegree(Dimension):
+class _FlowDimension(Dimension):
+    """A weight-free dimension built on Farneback flow: holds the flow parameters (:data:`FARNEBACK_DEFAULTS`
+    overridden by ``flow_params``; an unknown key raises ValueError listing the known ones)."""
+
+    def __init__(self, flow_params: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        unknown = set(flow_params or {}) - set(FARNEBACK_DEFAULTS)
+        if unknown:
+            raise ValueError(f"dimension {self.name!r}: unknown flow_params {sorted(unknown)}; known: "
+                             f"{sorted(FARNEBACK_DEFAULTS)}")
+        self.flow_params = {**FARNEBACK_DEFAULTS, **(flow_params or {})}
+
+
+class DynamicDegree(_FlowDimension):
     """Dynamic degree (proxy): is the video moving? 1.0 or 0.0 per video; the dataset score is the fraction of
     moving videos.
 
@@ -112,14 +125,6 @@ class DynamicDegree(Dimension):
     min_frames: ClassVar[int] = 2
     description: ClassVar[str] = ("share of videos whose top-5% flow exceeds 6*min(H,W)/256 on enough pairs at ~8 fps "
                                   "(VBench's rule; Farneback flow instead of RAFT: proxy)")
-
-    def __init__(self, flow_params: dict[str, Any] | None = None) -> None:
-        super().__init__()
-        unknown = set(flow_params or {}) - set(FARNEBACK_DEFAULTS)
-        if unknown:
-            raise ValueError(f"dimension {self.name!r}: unknown flow_params {sorted(unknown)}; known: "
-                             f"{sorted(FARNEBACK_DEFAULTS)}")
-        self.flow_params = {**FARNEBACK_DEFAULTS, **(flow_params or {})}
 
     def _score(self, frames: Tensor, fps: float) -> DimensionResult:
         import cv2
@@ -155,7 +160,7 @@ class DynamicDegree(Dimension):
             "count_above": above, "interval": interval})
 
 
-class MotionSmoothness(Dimension):
+class MotionSmoothness(_FlowDimension):
     """Motion smoothness (proxy): how well the odd frames are predicted by interpolating their even neighbours.
 
     VBench's rule, with :func:`flow_midpoint` (Farneback flow, halfway warps of both neighbours, average) in place
@@ -177,14 +182,6 @@ class MotionSmoothness(Dimension):
     min_frames: ClassVar[int] = 3
     description: ClassVar[str] = ("1 - MAE/255 of odd frames re-created from their even neighbours (VBench's rule; "
                                   "Farneback-warp interpolation instead of AMT-S: proxy)")
-
-    def __init__(self, flow_params: dict[str, Any] | None = None) -> None:
-        super().__init__()
-        unknown = set(flow_params or {}) - set(FARNEBACK_DEFAULTS)
-        if unknown:
-            raise ValueError(f"dimension {self.name!r}: unknown flow_params {sorted(unknown)}; known: "
-                             f"{sorted(FARNEBACK_DEFAULTS)}")
-        self.flow_params = {**FARNEBACK_DEFAULTS, **(flow_params or {})}
 
     def _score(self, frames: Tensor, fps: float) -> DimensionResult:
         x = frames.cpu().numpy().transpose(0, 2, 3, 1)  # [T, H, W, 3] uint8
