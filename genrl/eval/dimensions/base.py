@@ -14,6 +14,7 @@ reproduces that (``antialias=True`` is an option for newer-torchvision behaviour
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 from dataclasses import dataclass, field
@@ -138,7 +139,7 @@ def require_files(name: str, path: str | Path | None, files: dict[str, str]) -> 
                             f"{layout}\nnothing is downloaded: place these files there")
 
 
-class Dimension:
+class Dimension(abc.ABC):
     """Base class of the VBench-compatible dimensions.
 
     Class attributes:
@@ -181,8 +182,9 @@ class Dimension:
             raise TooFewFrames(self.name, frames.shape[0], self.min_frames)
         return self._score(frames, fps)
 
+    @abc.abstractmethod
     def _score(self, frames: Tensor, fps: float) -> DimensionResult:
-        raise NotImplementedError
+        """The dimension's formula on checked frames (uint8 [T, 3, H, W], T >= min_frames) and fps > 0."""
 
     def aggregate(self, results: list[DimensionResult]) -> float:
         """VBench's dataset score: ``sum(value * weight) / sum(weight)`` over the videos (float64 sums).
