@@ -27,25 +27,28 @@ def load_results(path: str | Path) -> dict[str, Any]:
         FileNotFoundError: no results.json there (the message says how to make one).
         ValueError: not an evaluation results file.
     """
-    p = Path(path)
-    p = p / "results.json" if p.is_dir() else p
+    given = Path(path)
+    p = given / "results.json" if given.is_dir() else given
     if not p.is_file():
-        raise FileNotFoundError(f"{p} does not exist: run `python -m evaluation run --videos ... --out {p.parent}` "
-                                f"first")
+        if given.is_dir() and (given / "eval" / "results.json").is_file():
+            raise FileNotFoundError(f"{given} is a videos folder; its evaluation is {given / 'eval'}: pass that")
+        folder = given if given.suffix != ".json" else given.parent
+        raise FileNotFoundError(f"{p} does not exist: evaluate first with `python -m evaluation run --videos "
+                                f"<videos folder> --out {folder}` (or pass the eval/ folder of an earlier run)")
     data = json.loads(p.read_text())
     if not isinstance(data, dict) or "schema" not in data:
         raise ValueError(f"{p} is not a results.json of `python -m evaluation run`")
     return data
 
 
-def metric_table(results: dict[str, Any]) -> dict[str, tuple[float | None, float | None, bool]]:
-    """metric -> (value, spread std or None, higher_is_better) for one run."""
-    rows: dict[str, tuple[float | None, float | None, bool]] = {}
+def metric_table(results: dict[str, Any]) -> dict[str, tuple[float | None, dict | None, bool]]:
+    """metric -> (value, spread or None, higher_is_better) for one run; a spread is ``{"std", "n_groups", "over"}``
+    (seed or sample)."""
+    rows: dict[str, tuple[float | None, dict | None, bool]] = {}
     for name, d in results.get("dimensions", {}).items():
-        spread = (d.get("spread") or {}).get("std")
-        rows[f"dimension: {name}" + (" (proxy)" if d.get("proxy") else "")] = (d.get("score"), spread, True)
+        rows[f"dimension: {name}" + (" (proxy)" if d.get("proxy") else "")] = (d.get("score"), d.get("spread"), True)
     for name, r in results.get("rewards", {}).items():
-        rows[f"reward: {name}"] = (r.get("mean"), (r.get("spread") or {}).get("std"), True)
+        rows[f"reward: {name}"] = (r.get("mean"), r.get("spread"), True)
     for name, r in results.get("distribution", {}).items():
         if name in r:
             rows[name.upper()] = (r.get(name), None, False)
@@ -77,25 +80,34 @@ def compare(paths: list[str | Path], labels: list[str] | None = None) -> dict[st
     metrics: list[str] = []
     for t in tables:
         metrics += [m for m in t if m not in metrics]
-    rows = []
+    rows, empty = [], []
     for m in metrics:
         vals = [t.get(m, (None, None, True)) for t in tables]
         if all(v is None or not math.isfinite(v) for v, _, _ in vals):
-            continue  # e.g. an attribute no video had (NaN everywhere)
-        base, base_sd, _ = vals[0]
+            empty.append(m)  # e.g. an attribute no video had (NaN everywhere)
+            continue
+        sds = [_std(s) for _, s, _ in vals]
+        base = vals[0][0]
         deltas, flags = [], []
-        for v, sd, _ in vals[1:]:
+        for (v, _, _), sd in zip(vals[1:], sds[1:]):
             if base is None or v is None:
                 deltas.append(None)
                 flags.append(False)
                 continue
             delta = v - base
-            spreads = [s for s in (base_sd, sd) if s is not None and math.isfinite(s)]
+            spreads = [s for s in (sds[0], sd) if s is not None]
             deltas.append(delta)
             flags.append(bool(spreads) and abs(delta) > max(spreads))
-        rows.append({"metric": m, "values": [v for v, _, _ in vals], "spreads": [s for _, s, _ in vals],
+        rows.append({"metric": m, "values": [v for v, _, _ in vals], "spreads": sds,
+                     "spread_groups": [(s or {}).get("n_groups") for _, s, _ in vals],
+                     "spread_over": [(s or {}).get("over") for _, s, _ in vals],
                      "deltas": deltas, "flags": flags, "higher_is_better": vals[0][2]})
-    return {"labels": labels, "paths": [str(p) for p in paths], "rows": rows}
+    return {"labels": labels, "paths": [str(p) for p in paths], "rows": rows, "without_value": empty}
+
+
+def _std(spread: dict | None) -> float | None:
+    std = (spread or {}).get("std") if isinstance(spread, dict) else None
+    return float(std) if std is not None and math.isfinite(std) else None
 
 
 def to_markdown(cmp: dict[str, Any]) -> str:
@@ -105,12 +117,19 @@ def to_markdown(cmp: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in cmp["rows"]:
         cells = [r["metric"] + ("" if r["higher_is_better"] else " (lower is better)")]
-        for v, s in zip(r["values"], r["spreads"]):
-            cells.append(_num(v) + (f" ± {_num(s)}" if s is not None and math.isfinite(s) else ""))
+        for v, s, n, over in zip(r["values"], r["spreads"], r["spread_groups"], r["spread_over"]):
+            group = f" ({n} {over}s)" if n and over else ""
+            cells.append(_num(v) + (f" ± {_num(s)}{group}" if s is not None else ""))
         for d, f in zip(r["deltas"], r["flags"]):
-            cells.append(("+" if d is not None and d > 0 else "") + _num(d) + (" *" if f else ""))
+            text = _num(d)
+            cells.append(("+" if d is not None and not text.startswith("-") and float(text) != 0 else "") + text
+                         + (" *" if f else ""))
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "_± = standard deviation over seeds (or sample index); * = |Δ| larger than either run's spread._"]
+    lines += ["", "_± = standard deviation of the run's per-seed (or per-sample-index) values over the groups "
+                  "counted in brackets; * = |Δ| larger than either run's spread, a rough guide: with 2 groups the "
+                  "spread itself is very uncertain._"]
+    if cmp.get("without_value"):
+        lines.append(f"_Left out (no value in any run): {', '.join(cmp['without_value'])}._")
     return "\n".join(lines)
 
 

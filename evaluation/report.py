@@ -38,7 +38,7 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str
     if dims:
         rows = [[name + (" (proxy)" if d.get("proxy") else ""), _fmt(d.get("score")), _fmt(d.get("normalized")),
                  str(d.get("n", 0)), d.get("prompt_selection", "all"), _spread_text(d.get("spread")),
-                 d.get("description", "")] for name, d in dims.items()]
+                 d.get("note") or d.get("description", "")] for name, d in dims.items()]
         tables.append(("VBench dimensions", ["dimension", "score", "normalised", "videos", "prompts", "seed spread",
                                              "what"], rows,
                        "proxy = a weight-free stand-in for VBench's model (Farneback optical flow instead of RAFT / "
@@ -49,9 +49,13 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str
         for label, key in (("native dimensions only", "composites"), ("with proxies", "composites_with_proxies")):
             for cname, c in (comp.get(key) or {}).items():
                 if isinstance(c, dict):
-                    value = "partial" if c.get("partial") else _fmt(c.get("value"))
-                    missing = ", ".join(c.get("missing", [])[:6]) + (" ..." if len(c.get("missing", [])) > 6 else "")
-                    rows.append([cname, label, value, missing or "-"])
+                    missing = c.get("missing", [])
+                    rows.append([cname, label, "partial" if c.get("partial") else _fmt(c.get("value")),
+                                 f"{len(missing)}: " + ", ".join(missing) if missing else "-"])
+        if rows and all(r[2] == "partial" for r in rows):  # the usual case without every weight: one line
+            n_missing = min(int(r[3].split(":")[0]) for r in rows if r[0] == "quality")
+            rows = [["quality / semantic / total", "-", "partial",
+                     f"at least {n_missing} of 7 quality dimensions and the semantic ones (official vbench only)"]]
         if rows:
             tables.append(("VBench composites", ["score", "from", "value", "missing dimensions"], rows,
                            "Quality / Semantic / Total follow VBench's cal_final_score; a composite with a missing "
@@ -120,13 +124,20 @@ def _plot_bars(path: Path, labels: list[str], values: list[float], errs: list[fl
     for b, h in zip(bars, hatch):
         if h:
             b.set_hatch("//")
-    for y, v in zip(ys, values):
-        if v is not None and math.isfinite(v):
-            ax.text(v, y, f" {v:.3f}", va="center", fontsize=8)
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    span = (xlim[1] - xlim[0]) if xlim else (max(finite, default=1.0) or 1.0)
+    for k, (y, v) in enumerate(zip(ys, values)):
+        if v is None or not math.isfinite(v):
+            ax.text(0, y, " n/a (no video scored)", va="center", fontsize=8, color="gray")
+            continue
+        e = errs[k] if errs and errs[k] is not None and math.isfinite(errs[k]) else 0.0
+        ax.text(v + e + 0.01 * span, y, f"{v:.3f}", va="center", fontsize=8)
     ax.set_yticks(ys, labels, fontsize=8)
     ax.invert_yaxis()
     if xlim:
-        ax.set_xlim(*xlim)
+        ax.set_xlim(xlim[0], xlim[1] + 0.12 * span)
+    else:
+        ax.set_xlim(right=ax.get_xlim()[1] + 0.15 * span)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -88,6 +88,30 @@ def _spread(metric: _Metric, items: list[EvalItem], aggregate) -> dict[str, Any]
     return None
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Flag combinations and dimension specs, checked before anything heavy is loaded (CLI wording)."""
+    if not (args.dimension or args.reward or args.reward_config or args.fvd_real or args.fid_real or args.i3d
+            or args.inception or args.clip_fid):
+        raise ValueError("nothing to evaluate: give --dimension, --reward, --reward-config, --fvd-real or --fid-real")
+    if bool(args.fvd_real) != bool(args.i3d):
+        raise ValueError("FVD needs both --fvd-real (a folder of real videos) and --i3d (a local I3D file: "
+                         "i3d_pretrained_400.pt of VideoGPT / TATS, or StyleGAN-V's i3d_torchscript.pt)")
+    if bool(args.fid_real) != bool(args.inception or args.clip_fid):
+        raise ValueError("FID needs --fid-real (a folder of real videos / images) and --inception (a local "
+                         "pt_inception-2015-12-05-6726825d.pth) or --clip-fid (a local CLIP folder)")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    from genrl.eval.dimensions import DIMENSIONS
+
+    for text in args.dimension:
+        name, path = _split_spec(text, "--dimension")
+        cls = DIMENSIONS.get(name)
+        if cls is not None and cls.needs_weights and not path:
+            files = ", ".join(getattr(cls, "weight_files", {}) or ["its weights"])
+            raise ValueError(f"--dimension {name} needs local weights: give --dimension {name}:/path/to/folder "
+                             f"(holding {files}); see evaluation/README.md")
+
+
 def _build_dimensions(specs: list[str], device: str, max_batch: int):
     from genrl.eval.dimensions import build_dimension
 
@@ -141,17 +165,12 @@ class _Distribution:
         self.args, self.cache_dir = args, cache_dir
         self.fvd_ext = self.fid_ext = None
         self.skipped: list[Skipped] = []
-        if args.fvd_real or args.i3d:
-            if not (args.fvd_real and args.i3d):
-                raise ValueError("FVD needs both --fvd-real (a folder of real videos) and --i3d (a local I3D file)")
+        if args.fvd_real:
             from genrl.eval.fvd import FVDSettings, load_i3d
 
             self.fvd_settings = FVDSettings(num_frames=args.fvd_frames, resolution=args.fvd_resolution)
             self.fvd_ext = load_i3d(args.i3d, device=args.device, resolution=args.fvd_resolution)
-        if args.fid_real or args.inception or args.clip_fid:
-            if not args.fid_real or not (args.inception or args.clip_fid):
-                raise ValueError("FID needs --fid-real (a folder of real videos / images) and --inception (the FID "
-                                 "Inception weights file) or --clip-fid (a local CLIP folder)")
+        if args.fid_real:
             from genrl.eval.fid import ClipImageExtractor, InceptionExtractor
 
             ext = InceptionExtractor(args.inception) if args.inception else ClipImageExtractor(args.clip_fid)
@@ -244,6 +263,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Run the evaluation described by the parsed arguments of :func:`parser`; returns the results dict (also
     written to ``<out>/results.json`` with the report next to it)."""
     t0 = time.perf_counter()
+    _check_args(args)
     videos = Path(args.videos)
     out = Path(args.out) if args.out else videos / "eval"
     items, skipped = discover(videos, args.manifest, allow_unlisted=args.allow_unlisted, images=args.images)
@@ -251,8 +271,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         items = items[: args.limit]
     if not items:
         raise ValueError(f"no usable videos in {videos} ({len(skipped)} skipped: see the reasons above)")
-    if not (args.dimension or args.reward or args.reward_config or args.fvd_real or args.fid_real):
-        raise ValueError("nothing to evaluate: give --dimension, --reward, --reward-config, --fvd-real or --fid-real")
     dims = _build_dimensions(args.dimension, args.device, args.batch_size)
     selection = _prompt_selection(args.prompt_selection, items, dims)
     manager = _reward_manager(args)
@@ -331,8 +349,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             **m.info, "score": score, "n": len(pairs),
             "normalized": normalize(d.name, score) if math.isfinite(score) else None,
             "prompt_selection": "vbench" if selection[d.name] is not None else "all",
-            **({"note": "no video of this folder has a prompt VBench assigns to this dimension (use "
-                        "--prompt-selection all to score every video)"}
+            **({"note": "no video of this folder has a prompt VBench assigns to this dimension: generate its prompts "
+                        f"with `pipelines/generate.py --prompts vbench:{d.name}`, or score every video with "
+                        "--prompt-selection all"}
                if not pairs and selection[d.name] is not None else {}),
             "spread": _spread(m, evaluated, lambda vs, d=d: d.aggregate([_result(v, w) for v, w in vs])),
         }
@@ -412,7 +431,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a VBench dimension, name or name:weights_folder (repeatable); `python -m evaluation "
                         "dimensions` lists them")
     p.add_argument("--prompt-selection", choices=["auto", "vbench", "all"], default="auto",
-                   help="score each dimension on VBench's prompts for it (auto: when every prompt is VBench's)")
+                   help="vbench: score each dimension only on the prompts VBench assigns to it; all: on every video; "
+                        "auto: vbench when every prompt of the folder is in VBench's suite, else all")
     p.add_argument("--reward", action="append", default=[], help="a reward-zoo entry, name or name:weights_folder")
     p.add_argument("--reward-config", action="append", default=[], help="take the rewards of a training config")
     p.add_argument("--reward-size", choices=["generated", "file"], default="generated",
@@ -438,11 +458,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m evaluation run ...`` (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m evaluation run", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m evaluation run", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(p)
     args = p.parse_args(argv)
-    if args.batch_size < 1:
-        p.error("--batch-size must be >= 1")
     results = evaluate(args)
     print(summary(results))
     return results
@@ -453,7 +472,11 @@ def summary(results: dict[str, Any]) -> str:
     lines = [f"evaluated {results['n_videos']} videos in {results['elapsed_s']} s -> {results['out']}"]
     for name, d in results["dimensions"].items():
         tag = " (proxy)" if d["proxy"] else ""
-        lines.append(f"  {name}{tag}: {d['score']:.4f} on {d['n']} videos")
+        if d["n"]:
+            lines.append(f"  {name}{tag}: {d['score']:.4f} on {d['n']} videos")
+        else:
+            lines.append(f"  {name}{tag}: no video scored" + (f" ({d['note']})" if d.get("note") else
+                                                              " (see the skipped list)"))
     for name, r in results["rewards"].items():
         lines.append(f"  {name}: {r['mean']:.4f} (n={r['n_valid']}, invalid {r['n_invalid']})")
     for name, r in results.get("distribution", {}).items():

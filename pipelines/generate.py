@@ -25,7 +25,8 @@ Examples::
 of a ``VideoDiT``, e.g. ``assets/shapes-dit`` or a run's ``export/``), a diffusers pipeline folder
 (``model_index.json``) or a ``genrl fit`` checkpoint. Prompts come from ``--prompt`` (repeatable) and / or
 ``--prompts`` (a .txt / .jsonl / .json file such as VBench's ``VBench_full_info.json``, or a built-in source:
-``vbench``, ``geneval``, ``ocr``, ``shapes:train``, ``shapes:heldout``), the latter cut to ``--limit``.
+``vbench``, ``vbench:<dimension>`` (e.g. ``vbench:dynamic_degree``), ``geneval``, ``ocr``, ``shapes:train``,
+``shapes:heldout``), the latter cut to ``--limit``.
 
 Sampling is the deterministic ODE of :func:`genrl.rollout.sampler.rollout` (``--steps``, ``--cfg-scale``,
 ``--shift``; defaults per model: the DiT 20 / 3 / 1, families see ``genrl.models.loading.FAMILY_DEFAULTS``).
@@ -153,7 +154,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--text-encoder", default=None, help="DiT only: local text-encoder folder or 'minilm'")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts", default=None,
-                   help="prompt file (.txt/.jsonl/.json) or built-in source (vbench, geneval, ocr, shapes:heldout)")
+                   help="prompt file (.txt/.jsonl/.json) or built-in source (vbench, vbench:<dimension>, geneval, ocr, "
+                        "shapes:heldout)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts of --prompts")
     p.add_argument("--samples-per-prompt", type=int, default=1, help="samples N per prompt")
     p.add_argument("--out", default="outputs/samples", help="output folder (files + manifest.jsonl)")
@@ -165,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg-scale", type=float, default=None, help="CFG scale w, 1 = off (DiT default 3)")
     p.add_argument("--shift", type=float, default=None, help="sigma-schedule shift (DiT 1; family default)")
     p.add_argument("--negative-prompt", default="", help="the unconditional prompt of CFG")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="noise seed (sample i's noise is addressed by (seed, i))")
     p.add_argument("--batch-size", type=int, default=None, help="samples per batch (DiT default 32, families 1)")
     p.add_argument("--fps", type=int, default=None, help="frame rate of the mp4s (DiT 8, Wan 16)")
     p.add_argument("--causal-chunk", type=int, default=None,

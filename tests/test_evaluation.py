@@ -192,6 +192,10 @@ def test_bad_input_is_an_error_or_skipped_and_reported(tmp_path):
         _run(tmp_path / "nowhere", *flags)
     with pytest.raises(ValueError, match="nothing to evaluate"):
         _run(videos, "--allow-unlisted")
+    with pytest.raises(ValueError, match=r"--dimension subject_consistency:/path/to/folder \(holding config.json"):
+        _run(videos, "--dimension", "subject_consistency")
+    with pytest.raises(ValueError, match="unknown dimension 'flicker'.*temporal_flickering"):
+        _run(videos, "--dimension", "flicker", "--allow-unlisted")
     assert prompt_from_vbench_name("a cat-dog running-12.mp4") == ("a cat-dog running", 12)
     assert prompt_from_vbench_name("clip.mp4") is None
 
@@ -302,14 +306,18 @@ def test_compare_table_of_deltas_with_spread(tmp_path):
     assert rows["reward: shapes/reward"]["flags"] == [False]  # 0.01 < 0.02
     assert rows["FVD"]["higher_is_better"] is False and rows["FVD"]["deltas"] == [0.0]
     text = compare_mod.to_markdown(cmp)
-    assert "0.9000 ± 0.0100" in text and "+0.0500 *" in text and "Δ rl - base" in text
+    assert "| 0.9000 ± 0.0100 |" in text and "+0.0500 *" in text and "Δ rl - base" in text
     out = tmp_path / "cmp.md"
     compare_mod.main([str(a), str(b), "--labels", "base", "rl", "--out", str(out)])
     assert out.read_text().strip() == text.strip() and json.loads(out.with_suffix(".json").read_text())["labels"]
     with pytest.raises(ValueError, match="two or more"):
         compare_mod.compare([a])
-    with pytest.raises(FileNotFoundError, match="evaluation run"):
+    with pytest.raises(FileNotFoundError, match=r"--out .*nope\b"):
         compare_mod.compare([a, tmp_path / "nope"])
+    (tmp_path / "videos" / "eval").mkdir(parents=True)
+    (tmp_path / "videos" / "eval" / "results.json").write_text((a / "results.json").read_text())
+    with pytest.raises(FileNotFoundError, match="is a videos folder; its evaluation is .*eval: pass that"):
+        compare_mod.compare([a, tmp_path / "videos"])
 
 
 def test_vbench_import_then_compare_with_native(tmp_path):

@@ -248,3 +248,15 @@ def test_lightning_resume_continues_the_stream_exactly(tmp_path):
 
     assert full.seen == [list(range(4 * b, 4 * b + 4)) for b in range(4)]
     assert first.seen + second.seen == full.seen
+
+
+def test_vbench_dimension_source_selects_the_prompts_tagged_with_it():
+    from genrl.data.prompts import load_prompts
+
+    full = load_prompts("vbench")
+    dyn = load_prompts("vbench:dynamic_degree")
+    assert len(dyn) == 72 and all("dynamic_degree" in r.metadata["dimension"] for r in dyn)
+    assert [r.prompt for r in dyn] == [r.prompt for r in full if "dynamic_degree" in r.metadata["dimension"]]
+    assert len(load_prompts("vbench:temporal_flickering")) == 75
+    with pytest.raises(ValueError, match="no VBench prompts for dimension 'flicker'.*temporal_flickering"):
+        load_prompts("vbench:flicker")

@@ -12,7 +12,7 @@ Sources :func:`load_prompts` understands:
   still combination has one caption); metadata are the :class:`~genrl.data.shapes.ShapeSpec` fields
   (``directions`` as a list).
 * ``"vbench"``, ``"geneval"``, ``"ocr"``: the suites shipped in the repository's ``assets/prompts/`` (see its
-  README for sources and licences).
+  README for sources and licences); ``"vbench:<dimension>"``: VBench's prompts for one dimension.
 
 Training stream (:class:`PromptStream`): global batch ``b`` holds ``P = prompts_per_batch`` prompt slots
 ``s = b * P + p`` (``p < P``); slot ``s`` is entry ``s mod N`` of the permutation of epoch ``s // N`` of the
@@ -79,6 +79,7 @@ BUILTIN_SUITES: dict[str, str] = {
 SUPPORTED_EXTENSIONS: tuple[str, ...] = (".txt", ".jsonl", ".json")
 
 _SHAPES_PREFIX = "shapes:"
+_VBENCH_PREFIX = "vbench:"
 _DEFAULT_KEYS = ("prompt", "prompt_en")
 _PERM_SALT = 0x50524F4D5054  # "PROMPT": keeps permutation seeds apart from per-sample seeds
 
@@ -208,7 +209,9 @@ def load_prompts(
 
     Args:
         path: a ``.txt`` / ``.jsonl`` / ``.json`` file, ``"shapes:train"`` / ``"shapes:heldout"`` /
-            ``"shapes:all"``, or a built-in suite alias ``"vbench"`` / ``"geneval"`` / ``"ocr"``.
+            ``"shapes:all"``, a built-in suite alias ``"vbench"`` / ``"geneval"`` / ``"ocr"``, or
+            ``"vbench:<dimension>"``: the VBench prompts tagged with that dimension (e.g. ``"vbench:dynamic_degree"``,
+            72 prompts), in suite order.
         prompt_key: the key holding the prompt in JSON objects (default ``"prompt"``, falling back to
             ``"prompt_en"`` per object); ignored for text files and shapes sources.
         world: the shapes world for ``"shapes:*"`` sources (default ``ShapesWorldConfig()``).
@@ -220,7 +223,8 @@ def load_prompts(
         FileNotFoundError: the file (named in the message) or the assets folder of an alias is missing.
         ValueError: no prompts (an empty file, or only blank prompts; the message names the file); malformed
             JSON (file and line number); a JSON object without the prompt key (the key and the keys present);
-            an unsupported extension (the supported ones listed); an unknown ``shapes:`` split.
+            an unsupported extension (the supported ones listed); an unknown ``shapes:`` split or ``vbench:``
+            dimension (the dimensions listed).
     """
     source = os.fspath(path)
     if source.startswith(_SHAPES_PREFIX):
@@ -237,6 +241,15 @@ def load_prompts(
             )
     elif source in BUILTIN_SUITES:
         records = _read_file(assets_dir() / "prompts" / BUILTIN_SUITES[source], prompt_key)
+    elif source.startswith(_VBENCH_PREFIX):
+        dim = source[len(_VBENCH_PREFIX) :]
+        records = [r for r in _read_file(assets_dir() / "prompts" / BUILTIN_SUITES["vbench"], prompt_key)
+                   if dim in (r.metadata.get("dimension") or [])]
+        if not records:
+            from genrl.eval.vbench import ALL_DIMENSIONS
+
+            raise ValueError(f"no VBench prompts for dimension {dim!r} in {source!r}; dimensions: "
+                             f"{', '.join(ALL_DIMENSIONS)}")
     else:
         records = _read_file(Path(source), prompt_key)
     if not records:
