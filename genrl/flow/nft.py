@@ -1,8 +1,9 @@
 """Forward-process policy losses: Bradley-Terry discriminator loss, R1 / R2, advantages and DiffusionNFT.
 
 Pure functions used by AFD (adversarial flow distillation from black-box teacher videos) and by the
-forward-process RL methods (DiffusionNFT, and later AWM / RAM) that regress the policy's velocity on
-its own forward-noised samples instead of scoring reverse-chain log-probabilities:
+forward-process RL methods that regress the policy's velocity on its own forward-noised samples instead
+of scoring reverse-chain log-probabilities (DiffusionNFT here; RAM and AWM in `genrl.flow.forward_rl`,
+whose core -- the per-sample masked mean `sample_mse` and the input checks -- this module builds on):
 
 * `bt_loss`: logistic (Bradley-Terry) loss on the paired discriminator score gap s_pos - s_neg.
 * `r1_penalty` / `r2_penalty`: squared input-gradient norm of the discriminator on real / fake inputs.
@@ -27,6 +28,13 @@ import torch.nn.functional as F
 
 from genrl.flow.broadcast import SigmaLike, _expand, compute_dtype, expand_sigma
 from genrl.flow.dmd import _element_mask
+from genrl.flow.forward_rl import (
+    _check_positive,
+    _check_same_shape,
+    _per_sample_mean,
+    _sample_counts,
+    sample_mse,
+)
 from genrl.flow.policy import AdvantageStd, group_advantages
 
 __all__ = [
@@ -49,14 +57,8 @@ NFT_MIN_NORMALIZER = 1e-5
 
 
 # --------------------------------------------------------------------------------------------
-# validation helpers
+# helpers (validation and the per-sample masked mean come from the shared core in forward_rl)
 # --------------------------------------------------------------------------------------------
-
-
-def _check_positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 def _reduce(values: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -67,46 +69,6 @@ def _reduce(values: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return values
     raise ValueError(f"unknown reduction {reduction!r}; expected one of {_REDUCTIONS}")
-
-
-def _check_batch_tensor(name: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.ndim < 1 or x.shape[0] < 1:
-        raise ValueError(f"{name} must have a non-empty batch dim, got shape {tuple(x.shape)}")
-
-
-def _check_same_shape(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
-    _check_batch_tensor(ref_name, ref)
-    for name, t in others.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape != ref.shape:
-            raise ValueError(
-                f"{ref_name} of shape {tuple(ref.shape)} and {name} of shape {tuple(t.shape)} must match"
-            )
-
-
-def _per_sample_mean(values: torch.Tensor, m: torch.Tensor | None, counts: torch.Tensor | None) -> torch.Tensor:
-    """Mean of ``values`` over each sample's (masked) elements -> [B]. Masked-out entries must be 0."""
-    b = values.shape[0]
-    if m is None:
-        return values.reshape(b, -1).mean(dim=1)
-    return values.reshape(b, -1).sum(dim=1) / counts
-
-
-def _sample_counts(m: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """Number of masked elements per sample [B]; raises if some sample has none."""
-    if m is None:
-        return None
-    counts = m.reshape(x.shape[0], -1).sum(dim=1)
-    empty = (counts == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(
-            f"mask selects no frame for sample(s) {empty}; every sample needs at least one masked-in frame "
-            "(drop those samples from the batch instead)"
-        )
-    return counts
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,10 +454,4 @@ def ref_regularizer(
     research/ar_distill.md §1.6 item 4 (lambda_ref).
     """
     _check_same_shape("v_theta", v_theta, v_ref=v_ref)
-    dt = compute_dtype(v_theta, v_ref)
-    diff = v_theta.to(dt) - v_ref.detach().to(dt)
-    m = _element_mask(mask, v_theta, frame_dim)
-    counts = _sample_counts(m, v_theta)
-    if m is not None:
-        diff = torch.where(m, diff, torch.zeros((), dtype=dt, device=diff.device))
-    return _per_sample_mean(diff.square(), m, counts).mean()
+    return sample_mse(v_theta, v_ref.detach(), mask, frame_dim).mean()
