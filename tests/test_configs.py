@@ -22,7 +22,10 @@ COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/tiny/grpo.yaml": "configs/quickstart.yaml",
             "configs/tiny/pretrain.yaml": "configs/pretrain/shapes.yaml",
             "configs/tiny/dmd.yaml": "configs/dmd/shapes.yaml",
-            "configs/tiny/afd.yaml": "configs/afd/shapes.yaml"}
+            "configs/tiny/afd.yaml": "configs/afd/shapes.yaml",
+            "configs/tiny/ram.yaml": "configs/ram/shapes.yaml",
+            "configs/ram/nft_shapes.yaml": "configs/ram/shapes.yaml",
+            "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml"}
 
 
 def _cli(args: list[str], run: bool) -> GenRLCLI:
@@ -48,8 +51,16 @@ BRANCH_CONFIGS = {
 }
 
 
+RAM_CONFIGS = {
+    "wan": "configs/ram/wan2.1_t2v_1.3b.yaml",
+    "sd3": "configs/ram/sd3.5_medium.yaml",
+    "flux": "configs/ram/flux.1_dev.yaml",
+}
+
+
 @pytest.mark.parametrize("method,family", [("grpo", f) for f in sorted(FAMILY_CONFIGS)]
-                         + [("branch_grpo", f) for f in sorted(BRANCH_CONFIGS)])
+                         + [("branch_grpo", f) for f in sorted(BRANCH_CONFIGS)]
+                         + [("ram", f) for f in sorted(RAM_CONFIGS)])
 def test_family_config_trains_on_tiny_components(method, family, tmp_path, monkeypatch):
     from genrl.models.families.tiny import TINY, TINY_SIZE
 
@@ -73,8 +84,12 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
     }
     if method == "branch_grpo":
         del override["model"]["init_args"]["mini_batch_size"]  # BranchGRPO steps per edges_per_step
+    if method == "ram":  # endpoints only: an ODE rollout, K = 2 re-noisings
+        override["model"]["init_args"].update(rollout={"num_steps": 3, "micro_batch_size": 2}, num_draws=2,
+                                              micro_batch_size=2)
+        del override["model"]["init_args"]["mini_batch_size"]
     (tmp_path / "tiny.yaml").write_text(json.dumps(override))  # JSON is YAML
-    config = (FAMILY_CONFIGS if method == "grpo" else BRANCH_CONFIGS)[family]
+    config = {"grpo": FAMILY_CONFIGS, "branch_grpo": BRANCH_CONFIGS, "ram": RAM_CONFIGS}[method][family]
     args = ["--config", str(ROOT / config), "--config", str(tmp_path / "tiny.yaml")]
     cli = _cli(args, run=False)
     cli.model.configure_model()

@@ -6,5 +6,6 @@ from genrl.methods.dmd import DMD
 from genrl.methods.grpo import GRPO, LoraSpec
 from genrl.methods.ode_init import ODEInit
 from genrl.methods.pretrain import FlowMatchingPretrain
+from genrl.methods.ram import RAM
 
-__all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit"]
+__all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit", "RAM"]

@@ -1,0 +1,414 @@
+"""Forward-process RL: RAM (reinforce adjoint matching), with DiffusionNFT and AWM as options of the same method.
+
+RL that keeps pretraining's regression structure (research/tmd_ram.md §1.5-1.7). Each iteration:
+
+1. **Rollouts, endpoints only.** The lagged policy theta_old (an EMA of theta) samples a group of G clean endpoints
+   x0 per prompt with the shared sampler's deterministic ODE (:func:`genrl.rollout.sampler.rollout`, CFG allowed
+   here only); nothing of the trajectory is kept.
+2. **Rewards and per-prompt advantages** A (reward minus the group mean, over a group or global std), gathered across
+   ranks before normalising; failed (NaN) rewards are left out of the loss and counted.
+3. **K re-noisings per endpoint**: t ~ p(t) (RAM: p(t) ∝ t), eps ~ N(0, I), x_t = (1 - t) x0 + t eps, Y = eps - x0;
+   the current, old and frozen-reference velocities at x_t, all conditional-only (no CFG in the loss).
+4. **One regression objective** (``objective``):
+
+   - ``"ram"``: ||v_theta - sg[v_ref + m A (Y - v_old)]||^2 (Bergmeister et al. 2026, Eq. 17 as released; m the
+     reward multiplier; no explicit KL: the anchor is inside the target, equivalent to AWM with beta = 1/m);
+   - ``"nft"``: DiffusionNFT's implicit positive / negative policies mixed by r = 1/2 + clip(A)/(2C)
+     (Zheng et al. 2025) + kl_beta ||v_theta - v_ref||^2;
+   - ``"awm"``: advantage-weighted matching, -A w(t, ||v_theta - Y||^2) with a PPO ratio against theta_old
+     (Xue et al. 2025) + kl_beta ||v_theta - v_ref||^2 + ema_kl_beta ||v_theta - v_old||^2.
+
+   The K x N (draw, endpoint) units are split over ``updates_per_iteration`` optimizer steps (gradient
+   accumulation over micro-batches inside each).
+5. **Old-policy EMA**: theta_old <- d theta_old + (1 - d) theta with d = min(ramp * iteration, max) (RAM: 0.01 / 0.9;
+   DiffusionNFT: 0.001 / 0.5). theta_old is a child module: it is checkpointed, so a resumed run repeats an
+   uninterrupted one.
+
+Monitors logged every iteration (the failure modes of research/tmd_ram.md §4.3; see
+:func:`genrl.flow.forward_rl.velocity_monitors`): ``monitor/v_ref_mse`` and ``monitor/v_old_mse`` (mean squared
+velocity gaps to the reference and to the old policy), ``monitor/v_norm_ratio`` (||v_theta|| / ||v_ref||),
+``monitor/fm_mse_old`` / ``fm_mse_theta`` / ``fm_mse_ref`` (flow-matching errors on the endpoints),
+``monitor/self_consistency`` (``fm_mse_old`` minus its value at the first iteration: the excess estimates
+||u - v_old||^2), ``advantage/std``, ``advantage/zero_std_fraction``, ``reward/total`` and
+``reward/batch_std`` (a collapse warning when every rollout scores the same).
+
+Randomness is addressed (seed, iteration, sample index, draw), so accumulated micro-batches equal one batch and a
+resumed run repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+
+from genrl.flow.nft import advantage_to_r, nft_loss
+from genrl.flow.parameterization import add_noise
+from genrl.flow.policy import group_advantages, group_stats
+from genrl.methods.common import (build_policy, ensure_reward_manager, log_validation_rewards, policy_optimizer,
+                                  restore_reward_state, save_reward_state, stash_reward_state, swapped_transformer)
+from genrl.methods.grpo import LoraSpec
+from genrl.models.families import GeneratorSpec
+from genrl.models.spec import ModelSpec
+from genrl.models.text_encoder import MINILM
+from genrl.rollout.noise import mix_seed, randn_per_sample
+from genrl.rollout.sampler import RolloutConfig, rollout
+
+__all__ = ["RAM"]
+
+logger = logging.getLogger(__name__)
+
+Objective = Literal["ram", "nft", "awm"]
+_STREAM_EPS, _STREAM_T = 31, 32
+
+
+class RAM(LightningModule):
+    """RAM / DiffusionNFT / AWM: forward-process RL on the policy's own clean endpoints (see the module docstring).
+
+    Training batches come from :class:`genrl.data.PromptDataModule` (``group_size`` >= 2 rollouts per prompt):
+    ``{"prompts": list[str] (P*G), "index": int64 [P*G], "group": int64 [P*G]}``; validation batches are sampled with
+    ``eval_rollout`` (the current policy) and scored by the same rewards.
+
+    Args:
+        objective: ``"ram"``, ``"nft"`` or ``"awm"``.
+        transformer / text_encoder / max_text_length / generator / latent_shape / lora: the policy, as in
+            :class:`~genrl.methods.grpo.GRPO` (genrl's DiT or a diffusers family; LoRA optional: the reference is then
+            the adapter-disabled model).
+        rollout: the endpoint sampler (forced to the deterministic ODE kernel; CFG allowed).
+        rewards / reward_combine: reward specs and their combination (as GRPO).
+        advantage_std: ``"group"`` (per-prompt std), ``"global"`` or ``"none"``; advantage_eps: added to the std.
+        multiplier: RAM's reward multiplier m > 0 (reference: 100 for GenEval / OCR-like rewards, 1000 for
+            PickScore-like ones); m A plays r / lambda, so the effective temperature is about std(r) / m.
+        num_draws: K >= 1 (t, eps) re-noisings per endpoint (reference 8).
+        timestep_density: ``"linear"`` (p(t) ∝ t, RAM), ``"uniform"``, ``"logit_normal"``, ``"power"`` (p ∝
+            t^alpha) or ``"grid"`` (the rollout's sigma grid, DiffusionNFT / AWM); ``timestep_alpha``,
+            ``t_min`` / ``t_max`` (the range; t = 0 is excluded by the loss-free endpoint), ``timestep_shift``.
+        updates_per_iteration: optimizer steps per iteration (the K x N units are split between them).
+        micro_batch_size: endpoints per network call (None = all).
+        old_decay_ramp / old_decay_max: the old-policy EMA d = min(ramp * iteration, max).
+        nft_beta / nft_clip / nft_adaptive: DiffusionNFT's implicit-policy step beta, advantage clip C and x0-space
+            adaptive weighting.
+        awm_weighting / awm_p / awm_clip_range / awm_adv_clip: AWM's w(t, l) (``uniform``, ``t``, ``t2``,
+            ``huber``, ``ghuber``), its exponent, the PPO ratio clip (None = unclipped) and the advantage clip.
+        kl_beta: NFT / AWM weight of ||v_theta - v_ref||^2 (RAM needs none: its anchor is in the target).
+        ema_kl_beta: AWM's weight of ||v_theta - v_old||^2.
+        optimizer / max_grad_norm: optimizer factory and gradient-norm clip (0 = off; RAM's reference: off).
+        eval_rollout: validation sampler (default: ODE, the rollout's steps and CFG).
+        seed: seed of all randomness.
+
+    Raises:
+        ValueError: multiplier <= 0 (or not finite), num_draws < 1, updates_per_iteration < 1 or not dividing
+            num_draws, a bad EMA schedule, an unknown objective, transformer and generator both given.
+    """
+
+    def __init__(
+        self,
+        objective: Objective = "ram",
+        transformer: ModelSpec | None = None,
+        text_encoder: str = MINILM,
+        max_text_length: int = 32,
+        generator: GeneratorSpec | None = None,
+        latent_shape: list[int] | None = None,
+        lora: LoraSpec | None = None,
+        rollout: RolloutConfig | None = None,
+        rewards: list[dict[str, Any]] | None = None,
+        reward_combine: Literal["weighted_sum", "zscore_sum", "advantage_sum"] = "weighted_sum",
+        advantage_std: Literal["group", "global", "none"] = "group",
+        advantage_eps: float = 1e-4,
+        multiplier: float = 100.0,
+        num_draws: int = 8,
+        timestep_density: Literal["linear", "uniform", "logit_normal", "power", "grid"] = "linear",
+        timestep_alpha: float = 1.0,
+        t_min: float = 0.0,
+        t_max: float = 1.0,
+        timestep_shift: float = 1.0,
+        updates_per_iteration: int = 1,
+        micro_batch_size: int | None = None,
+        old_decay_ramp: float = 0.01,
+        old_decay_max: float = 0.9,
+        nft_beta: float = 1.0,
+        nft_clip: float = 5.0,
+        nft_adaptive: bool = True,
+        awm_weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "ghuber",
+        awm_p: float = 0.25,
+        awm_clip_range: float | None = None,
+        awm_adv_clip: float = 5.0,
+        kl_beta: float = 0.0,
+        ema_kl_beta: float = 0.0,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        max_grad_norm: float = 0.0,
+        eval_rollout: RolloutConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if objective not in ("ram", "nft", "awm"):
+            raise ValueError(f"objective must be 'ram', 'nft' or 'awm', got {objective!r}")
+        if not (isinstance(multiplier, (int, float)) and math.isfinite(multiplier) and multiplier > 0):
+            raise ValueError(f"multiplier m must be a finite number > 0 (reference: 100 for GenEval / OCR-like "
+                             f"rewards, 1000 for PickScore-like ones), got {multiplier!r}")
+        if not isinstance(num_draws, int) or num_draws < 1:
+            raise ValueError(f"num_draws K must be an int >= 1 (re-noisings per endpoint; reference 8), got {num_draws!r}")
+        if updates_per_iteration < 1 or num_draws % updates_per_iteration:
+            raise ValueError(f"updates_per_iteration must be >= 1 and divide num_draws={num_draws}, got "
+                             f"{updates_per_iteration}")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or null, got {micro_batch_size}")
+        if not (0 <= old_decay_max < 1 and old_decay_ramp >= 0):
+            raise ValueError(f"need 0 <= old_decay_max < 1 and old_decay_ramp >= 0, got {old_decay_max}, "
+                             f"{old_decay_ramp}")
+        if kl_beta < 0 or ema_kl_beta < 0:
+            raise ValueError(f"kl_beta and ema_kl_beta must be >= 0, got {kl_beta}, {ema_kl_beta}")
+        if not 0 <= t_min < t_max <= 1:
+            raise ValueError(f"need 0 <= t_min < t_max <= 1, got {t_min}, {t_max}")
+        if generator is not None and transformer is not None:
+            raise ValueError("give either transformer (genrl's DiT) or generator (a diffusers family), not both")
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.automatic_optimization = False
+        self.generator_spec = generator
+        self.transformer_spec = transformer or ModelSpec()
+        base = rollout or RolloutConfig(kernel="ode")
+        self.rollout_config = RolloutConfig(**{**vars(base), "kernel": "ode"})  # endpoints: deterministic ODE
+        self.eval_config = eval_rollout or RolloutConfig(
+            kernel="ode", num_steps=self.rollout_config.num_steps, shift=self.rollout_config.shift,
+            cfg_scale=self.rollout_config.cfg_scale, micro_batch_size=self.rollout_config.micro_batch_size)
+        self.latent_shape = tuple(latent_shape) if latent_shape else None
+        self.optimizer_factory = optimizer
+        self.generator = None
+        self.old_transformer = None
+        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
+        self.register_buffer("initial_self_consistency", torch.full((), float("nan")))
+        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
+        if not self._reward_specs:
+            raise ValueError("RAM needs at least one reward; e.g. rewards: [{name: shapes}]")
+        self.rewards = None
+
+    # ------------------------------------------------------------------ construction
+    def configure_model(self) -> None:
+        if self.generator is not None:
+            return
+        gen = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
+                           self.hparams.max_text_length, self.hparams.lora)
+        if self.latent_shape is None:
+            self.latent_shape = tuple(getattr(gen, "latent_shape", (8, 3, 16, 16)))
+        reference = None
+        if self.hparams.lora is None and self._needs_reference():
+            reference = copy.deepcopy(gen.transformer).requires_grad_(False).eval()
+        self.generator = gen
+        # theta_old: the lagged EMA that rolls out and supplies v_old (a child module: checkpointed)
+        self.old_transformer = copy.deepcopy(gen.transformer).requires_grad_(False).eval()
+        object.__setattr__(self, "_reference", reference)  # frozen initial weights, never checkpointed
+
+    def _needs_reference(self) -> bool:
+        return self.hparams.objective == "ram" or self.hparams.kl_beta > 0
+
+    def setup(self, stage: str) -> None:
+        self.configure_model()
+        ensure_reward_manager(self)
+
+    def configure_optimizers(self):
+        return policy_optimizer(self.generator, self.optimizer_factory)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        save_reward_state(self, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        stash_reward_state(self, checkpoint)
+
+    # ------------------------------------------------------------------ pieces
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self._trainer is None or self.trainer.world_size == 1:
+            return t
+        return self.all_gather(t.to(self.device)).reshape(-1, *t.shape[1:]).cpu()
+
+    def endpoints(self, prompts: list[str], index: torch.Tensor, it: int) -> torch.Tensor:
+        """Clean endpoints x0 [B, *latent_shape] of the old policy (deterministic ODE, the rollout's CFG)."""
+        gen = self.generator
+        with torch.no_grad(), swapped_transformer(gen, self.old_transformer):
+            return rollout(gen, prompts, self.latent_shape, self.hparams.seed, index, self.rollout_config,
+                           rollout_id=it, record=False).final
+
+    def timesteps(self, index: torch.Tensor, it: int, draw: int) -> torch.Tensor:
+        """t [B] of draw ``draw`` for samples ``index`` (addressed by seed, iteration, sample, draw)."""
+        from genrl.flow.forward_rl import sample_timesteps
+
+        h = self.hparams
+        grid = self.rollout_config.sigmas()[:-1].tolist() if h.timestep_density == "grid" else None
+        return sample_timesteps(len(index), mix_seed(h.seed, it, _STREAM_T), index, step=draw,
+                                density=h.timestep_density, alpha=h.timestep_alpha, t_min=h.t_min, t_max=h.t_max,
+                                shift=h.timestep_shift, grid=grid)
+
+    def _velocity(self, x: torch.Tensor, t: torch.Tensor, cond, which: str) -> torch.Tensor:
+        """Conditional velocity of the current (``"theta"``, with graph), old or reference policy, float32."""
+        gen = self.generator
+        if which == "theta":
+            return gen.velocity(x, t, cond).float()
+        with torch.no_grad():
+            if which == "old":
+                with swapped_transformer(gen, self.old_transformer):
+                    return gen.velocity(x, t, cond).float()
+            if self.hparams.lora is not None:
+                gen.transformer.disable_adapters()
+                try:
+                    return gen.velocity(x, t, cond).float()
+                finally:
+                    gen.transformer.enable_adapters()
+            with swapped_transformer(gen, self._reference.to(self.device)):
+                return gen.velocity(x, t, cond).float()
+
+    def unit_loss(self, x0: torch.Tensor, adv: torch.Tensor, cond, index: torch.Tensor, it: int, draw: int):
+        """The objective's loss on one (draw, micro-batch) unit and its monitors.
+
+        Args:
+            x0: clean endpoints [b, *latent] (detached); adv: advantages A [b]; cond: their prompts' conditioning;
+            index: their global sample ids [b]; it / draw: iteration and draw number (address the noise).
+        Returns:
+            (0-d loss with graph, dict of detached monitors).
+        """
+        from genrl.flow.forward_rl import awm_loss, awm_weight, ram_loss, sample_mse, velocity_monitors
+
+        h = self.hparams
+        t = self.timesteps(index, it, draw).to(x0.device)
+        eps = randn_per_sample(x0.shape[1:], mix_seed(h.seed, it, _STREAM_EPS), index, step=draw, device=x0.device)
+        fd = getattr(self.generator, "frame_dim", 1)
+        x_t = add_noise(x0, eps, t, frame_dim=fd)
+        u = eps - x0
+        v = self._velocity(x_t, t, cond, "theta")
+        v_old = self._velocity(x_t, t, cond, "old")
+        v_ref = self._velocity(x_t, t, cond, "ref") if self._needs_reference() else None
+        adv = adv.to(v.device)
+        if h.objective == "ram":
+            loss = ram_loss(v, v_ref, v_old, u, adv, h.multiplier, frame_dim=fd)
+            stats: dict[str, torch.Tensor] = {}
+        elif h.objective == "nft":
+            r = advantage_to_r(adv, h.nft_clip)
+            loss = nft_loss(v, v_old, x_t, x0, t, r, beta=h.nft_beta, clip_c=h.nft_clip, adaptive=h.nft_adaptive,
+                            frame_dim=fd)
+            stats = {}
+            if h.kl_beta > 0:
+                loss = loss + h.kl_beta * sample_mse(v, v_ref, frame_dim=fd).mean()
+        else:
+            log_p_old = -awm_weight(sample_mse(v_old, u, frame_dim=fd), t, h.awm_weighting, p=h.awm_p)
+            loss, stats = awm_loss(v, u, t, adv, weighting=h.awm_weighting, log_p_old=log_p_old,
+                                   clip_range=h.awm_clip_range, adv_clip=h.awm_adv_clip, v_ref=v_ref,
+                                   beta=h.kl_beta, v_ema=v_old if h.ema_kl_beta > 0 else None,
+                                   beta_ema=h.ema_kl_beta, frame_dim=fd, p=h.awm_p)
+        mon = velocity_monitors(v.detach(), v_old, v_ref if v_ref is not None else v_old, u, frame_dim=fd)
+        if v_ref is None:  # no reference forward for this objective: its monitors are not measured
+            mon = {k: val for k, val in mon.items() if k not in ("v_ref_mse", "v_norm_ratio", "fm_mse_ref")}
+        return loss, {**{f"monitor/{k}": torch.as_tensor(float(val)) for k, val in mon.items()},
+                      **{f"train/{k}": torch.as_tensor(float(val)) for k, val in stats.items()}}
+
+    def update_old_policy(self) -> float:
+        """theta_old <- d theta_old + (1 - d) theta, d = min(ramp * iteration, max); returns d."""
+        d = min(self.hparams.old_decay_ramp * int(self.iteration), self.hparams.old_decay_max)
+        with torch.no_grad():
+            for p_old, p in zip(self.old_transformer.parameters(), self.generator.transformer.parameters()):
+                p_old.lerp_(p.detach().to(p_old.dtype), 1.0 - d)
+        return d
+
+    # ------------------------------------------------------------------ training
+    def advantages(self, total: torch.Tensor, valid: torch.Tensor, group: torch.Tensor, it: int) -> torch.Tensor:
+        """Per-prompt advantages of the gathered batch (this rank's slice); invalid samples get 0.
+
+        Raises:
+            ValueError: a group of size 1 (no baseline: every advantage would be 0).
+            RuntimeError: every reward of the batch is invalid (NaN).
+        """
+        all_total, all_group, all_valid = self._gather(total), self._gather(group), self._gather(valid)
+        _, counts = torch.unique(all_group, return_counts=True)
+        if bool((counts < 2).any()):
+            raise ValueError(f"iteration {it}: a group of size {int(counts.min())}: a per-prompt advantage needs at "
+                             f"least 2 rollouts of the prompt (the group mean is the baseline); set "
+                             f"data.init_args.group_size >= 2 (reference: 8-24)")
+        if not all_valid.any():
+            raise RuntimeError(f"iteration {it}: every reward of the batch is invalid (NaN); the reward model is "
+                               f"failing (see the reward/*/errors metrics and the logged warnings)")
+        adv_all = group_advantages(all_total, all_group, std=self.hparams.advantage_std,
+                                   eps=self.hparams.advantage_eps, valid=all_valid)
+        bs = len(total)
+        for key, value in group_stats(all_total, all_group, valid=all_valid).items():
+            self.log(f"advantage/{key}", float(value), batch_size=bs)
+        self.log("advantage/std", float(adv_all[all_valid].std()) if int(all_valid.sum()) > 1 else 0.0,
+                 batch_size=bs)
+        rstd = float(all_total[all_valid].std()) if int(all_valid.sum()) > 1 else 0.0
+        self.log("reward/batch_std", rstd, batch_size=bs)
+        if rstd < 1e-6:
+            logger.warning("iteration %d: every valid rollout scores the same (reward std %.2g): no advantage, no "
+                           "update; a collapsed policy or a saturated reward", it, rstd)
+        self.log("reward/total", float(all_total[all_valid].mean()), prog_bar=True, batch_size=bs)
+        self.log("reward/invalid_fraction", float((~all_valid).float().mean()), batch_size=bs)
+        rank, n = (self.trainer.global_rank if self._trainer else 0), len(total)
+        return adv_all[rank * n : (rank + 1) * n]
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        restore_reward_state(self)
+        h = self.hparams
+        prompts, index, group = list(batch["prompts"]), batch["index"].cpu(), batch["group"].cpu()
+        it = int(self.iteration)
+        gen = self.generator
+        was_training = gen.training
+        gen.eval()
+        x0 = self.endpoints(prompts, index, it)
+        result = self.rewards(gen.decode(x0).float().cpu(), prompts)
+        gen.train(was_training)
+        for key, value in result.metrics().items():
+            if key not in ("total", "invalid_fraction"):
+                self.log(f"reward/{key}", float(value), batch_size=len(prompts))
+        adv = self.advantages(result.total, result.valid, group, it)
+
+        rows = torch.nonzero(result.valid).flatten()  # failed rewards: left out of the loss (counted above)
+        n_skipped = len(prompts) - len(rows)
+        self.log("train/skipped_invalid", float(n_skipped), batch_size=len(prompts))
+        opt = self.optimizers()
+        mb = h.micro_batch_size or max(len(rows), 1)
+        draws_per_update = h.num_draws // h.updates_per_iteration
+        sums: dict[str, float] = {}
+        count = 0
+        if len(rows):
+            cond_all = gen.encode_prompts([prompts[i] for i in rows.tolist()])
+            x0 = x0[rows.to(x0.device)]
+            adv_r, index_r = adv[rows], index[rows]
+            chunks = [torch.arange(s, min(s + mb, len(rows))) for s in range(0, len(rows), mb)]
+            for update in range(h.updates_per_iteration):
+                opt.zero_grad()
+                units = [(k, c) for k in range(update * draws_per_update, (update + 1) * draws_per_update)
+                         for c in chunks]
+                for draw, c in units:
+                    loss, stats = self.unit_loss(x0[c.to(x0.device)], adv_r[c], cond_all.select(c.tolist()),
+                                                 index_r[c], it, draw)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"iteration {it}, draw {draw}: the {h.objective} loss is "
+                                                 f"{float(loss)}; lower the learning rate or the multiplier")
+                    self.manual_backward(loss * len(c) / (len(rows) * draws_per_update))
+                    for key, value in {"train/loss": loss.detach(), **stats}.items():
+                        sums[key] = sums.get(key, 0.0) + float(value)
+                    count += 1
+                if h.max_grad_norm > 0:
+                    self.clip_gradients(opt, gradient_clip_val=h.max_grad_norm, gradient_clip_algorithm="norm")
+                opt.step()
+        bs = len(prompts)
+        for key, value in sums.items():
+            self.log(key, value / max(count, 1), batch_size=bs)
+        if "monitor/fm_mse_old" in sums:  # self-consistency: v_old's FM error on its own endpoints vs at the start
+            fm_old = sums["monitor/fm_mse_old"] / max(count, 1)
+            if torch.isnan(self.initial_self_consistency):
+                self.initial_self_consistency.fill_(fm_old)
+            self.log("monitor/self_consistency", fm_old - float(self.initial_self_consistency), batch_size=bs)
+        d = self.update_old_policy()
+        self.log("train/old_decay", d, batch_size=bs)
+        self.iteration += 1
+        self.log("train/iteration", float(self.iteration), batch_size=bs)
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, batch: dict, batch_idx: int) -> dict:
+        prompts = list(batch["prompts"])
+        traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
+                       self.eval_config, record=False)
+        videos = self.generator.decode(traj.final)
+        log_validation_rewards(self, videos, prompts)
+        return {"videos": videos, "prompts": prompts}
