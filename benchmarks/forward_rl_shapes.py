@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=30, help="optimizer steps of RAM / NFT / AWM")
     p.add_argument("--val-every", type=int, default=5, help="validation interval of RAM / NFT / AWM")
     p.add_argument("--grpo-val-every", type=int, default=10)
-    p.add_argument("--extra", nargs="*", default=[], help="extra CLI overrides for RAM / NFT / AWM")
+    p.add_argument("--extra", default="", help='extra CLI overrides for RAM / NFT / AWM, one string: '
+                   '--extra="--model.init_args.multiplier=300 --model.init_args.optimizer.init_args.lr=0.0001"')
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     runs = []
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
         for seed in args.seeds:
             grpo = method == "grpo"
             r = run(method, seed, args.grpo_steps if grpo else args.steps,
-                    args.grpo_val_every if grpo else args.val_every, [] if grpo else args.extra)
+                    args.grpo_val_every if grpo else args.val_every, [] if grpo else args.extra.split())
             print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
             runs.append(r)
     grpo_runs = [r for r in runs if r["method"] == "grpo"]

@@ -62,6 +62,16 @@ from genrl.flow.nft import (
     r2_penalty,
     ref_regularizer,
 )
+from genrl.flow.forward_rl import (
+    advantage_weighted_fm_loss,
+    awm_loss,
+    awm_weight,
+    ram_loss,
+    ram_target,
+    sample_mse,
+    sample_timesteps,
+    velocity_monitors,
+)
 from genrl.flow.policy import (
     ZERO_STD,
     AdvantageStd,
@@ -77,6 +87,14 @@ from genrl.flow.policy import (
 )
 
 __all__ = [
+    "sample_mse",
+    "advantage_weighted_fm_loss",
+    "sample_timesteps",
+    "ram_target",
+    "ram_loss",
+    "awm_weight",
+    "awm_loss",
+    "velocity_monitors",
     "SigmaLike",
     "compute_dtype",
     "expand_sigma",
