@@ -37,7 +37,8 @@ from genrl.flow import add_noise
 from genrl.flow.nft import (advantage_to_r, bt_loss, centered_advantages, nft_loss, r1_penalty, r2_penalty,
                              ref_regularizer)
 from genrl.methods.common import (build_student, ensure_reward_manager, frame_shape_of, log_validation_rewards,
-                                  restore_reward_state, save_reward_state, stash_reward_state, swapped_transformer)
+                                  reference_weights, restore_reward_state, save_reward_state, stash_reward_state,
+                                  swapped_transformer)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
 from genrl.models.spec import ModelSpec
@@ -282,16 +283,8 @@ class AFD(LightningModule):
                         clip_c=self.hparams.clip_c, adaptive=self.hparams.adaptive, frame_dim=fd)
         stats = {"nft_loss": loss.detach()}
         if self.hparams.ref_weight > 0:
-            with torch.no_grad():
-                if self.hparams.lora is not None:
-                    gen.transformer.disable_adapters()
-                    try:
-                        v_ref = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
-                    finally:
-                        gen.transformer.enable_adapters()
-                else:
-                    with swapped_transformer(gen, self._reference.to(self.device)):
-                        v_ref = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
+            with torch.no_grad(), reference_weights(gen, self._reference, self.hparams.lora):
+                v_ref = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
             reg = ref_regularizer(v, v_ref, frame_dim=fd)
             loss = loss + self.hparams.ref_weight * reg
             stats["ref_reg"] = reg.detach()

@@ -131,6 +131,22 @@ def swapped_transformer(generator, transformer):
             generator.causal = causal
 
 
+@contextmanager
+def reference_weights(generator, reference, lora) -> Any:
+    """Evaluate ``generator`` with the frozen reference policy: with a LoRA adapter (``lora`` not None) the
+    adapter-disabled model, else the frozen ``reference`` transformer copy (moved to the generator's device).
+    Use under ``torch.no_grad()``; restores the live policy."""
+    if lora is not None:
+        generator.transformer.disable_adapters()
+        try:
+            yield generator
+        finally:
+            generator.transformer.enable_adapters()
+        return
+    with swapped_transformer(generator, reference.to(generator.device)) as gen:
+        yield gen
+
+
 def log_validation_rewards(method, videos, prompts: list[str]) -> None:
     """Score validation ``videos`` (pixels [B, T, C, H, W] in [0, 1]) with ``method.rewards`` and log
     ``val/<reward>/<key>`` and ``val/total`` (mean over valid samples; NaN when none is valid)."""

@@ -27,7 +27,7 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss, gaussian_kl, group_advantages, group_stats, velocity_kl
 from genrl.methods.common import (build_policy, ensure_reward_manager, log_validation_rewards, policy_optimizer,
-                                  restore_reward_state, save_reward_state, stash_reward_state, swapped_transformer)
+                                  reference_weights, restore_reward_state, save_reward_state, stash_reward_state)
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.spec import ModelSpec
@@ -191,15 +191,8 @@ class GRPO(LightningModule):
     # ------------------------------------------------------------------ helpers
     def _reference_velocity(self, x, sigma, cond, uncond, cfg):
         mb = self.rollout_config.micro_batch_size
-        with torch.no_grad():
-            if self.hparams.lora is not None:
-                self.generator.transformer.disable_adapters()
-                try:
-                    return guided_velocity(self.generator, x, sigma, cond, uncond, cfg, mb)
-                finally:
-                    self.generator.transformer.enable_adapters()
-            with swapped_transformer(self.generator, self._reference) as gen:
-                return guided_velocity(gen, x, sigma, cond, uncond, cfg, mb)
+        with torch.no_grad(), reference_weights(self.generator, self._reference, self.hparams.lora) as gen:
+            return guided_velocity(gen, x, sigma, cond, uncond, cfg, mb)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         if self._trainer is None or self.trainer.world_size == 1:

@@ -51,7 +51,8 @@ from genrl.flow.nft import advantage_to_r, nft_loss
 from genrl.flow.parameterization import add_noise
 from genrl.flow.policy import group_advantages, group_stats
 from genrl.methods.common import (build_policy, ensure_reward_manager, log_validation_rewards, policy_optimizer,
-                                  restore_reward_state, save_reward_state, stash_reward_state, swapped_transformer)
+                                  reference_weights, restore_reward_state, save_reward_state, stash_reward_state,
+                                  swapped_transformer)
 from genrl.methods.grpo import LoraSpec
 from genrl.models.families import GeneratorSpec
 from genrl.models.spec import ModelSpec
@@ -251,13 +252,7 @@ class RAM(LightningModule):
             if which == "old":
                 with swapped_transformer(gen, self.old_transformer):
                     return gen.velocity(x, t, cond).float()
-            if self.hparams.lora is not None:
-                gen.transformer.disable_adapters()
-                try:
-                    return gen.velocity(x, t, cond).float()
-                finally:
-                    gen.transformer.enable_adapters()
-            with swapped_transformer(gen, self._reference.to(self.device)):
+            with reference_weights(gen, self._reference, self.hparams.lora):
                 return gen.velocity(x, t, cond).float()
 
     def unit_loss(self, x0: torch.Tensor, adv: torch.Tensor, cond, index: torch.Tensor, it: int, draw: int):
