@@ -93,6 +93,14 @@ def restore_reward_state(method) -> None:
         method._pending_reward_state = None
 
 
+def gather_batch(method, t):
+    """``t`` [n, ...] of this rank -> the global batch [world * n, ...] on the CPU (rank order), via Lightning's
+    ``all_gather``; unchanged on one process. Group statistics (advantages) are computed on the gathered batch."""
+    if method._trainer is None or method.trainer.world_size == 1:
+        return t
+    return method.all_gather(t.to(method.device)).reshape(-1, *t.shape[1:]).cpu()
+
+
 def policy_optimizer(generator, factory):
     """``factory(trainable parameters of generator.transformer)``.
 

@@ -26,7 +26,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss, gaussian_kl, group_advantages, group_stats, velocity_kl
-from genrl.methods.common import (build_policy, ensure_reward_manager, log_validation_rewards, policy_optimizer,
+from genrl.methods.common import (build_policy, ensure_reward_manager, gather_batch, log_validation_rewards,
+                                  policy_optimizer,
                                   reference_weights, restore_reward_state, save_reward_state, stash_reward_state)
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
@@ -195,9 +196,7 @@ class GRPO(LightningModule):
             return guided_velocity(gen, x, sigma, cond, uncond, cfg, mb)
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return t
-        return self.all_gather(t.to(self.device)).reshape(-1, *t.shape[1:]).cpu()
+        return gather_batch(self, t)
 
     def _score(self, pixels: torch.Tensor, prompts: list[str]):
         result = self.rewards(pixels.float().cpu(), prompts)

@@ -50,7 +50,8 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow.nft import advantage_to_r, nft_loss
 from genrl.flow.parameterization import add_noise
 from genrl.flow.policy import group_advantages, group_stats
-from genrl.methods.common import (build_policy, ensure_reward_manager, log_validation_rewards, policy_optimizer,
+from genrl.methods.common import (build_policy, ensure_reward_manager, gather_batch, log_validation_rewards,
+                                  policy_optimizer,
                                   reference_weights, restore_reward_state, save_reward_state, stash_reward_state,
                                   swapped_transformer)
 from genrl.methods.grpo import LoraSpec
@@ -222,9 +223,7 @@ class RAM(LightningModule):
 
     # ------------------------------------------------------------------ pieces
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return t
-        return self.all_gather(t.to(self.device)).reshape(-1, *t.shape[1:]).cpu()
+        return gather_batch(self, t)
 
     def endpoints(self, prompts: list[str], index: torch.Tensor, it: int) -> torch.Tensor:
         """Clean endpoints x0 [B, *latent_shape] of the old policy (deterministic ODE, the rollout's CFG)."""
