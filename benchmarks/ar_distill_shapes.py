@@ -43,7 +43,7 @@ def _timesteps(steps: int) -> list[float]:
 def real_videos(world, prompts: list[str], seed: int) -> torch.Tensor:
     """One real video per prompt (rendered from the parsed caption), float32 [N, T, 3, H, W]."""
     from genrl.data.shapes import parse_caption, render
-    from genrl.rollout.noise import sample_generator
+    from genrl.noise import sample_generator
 
     return torch.stack([render(parse_caption(p, world), world, sample_generator(seed, i, 0, 99))
                         for i, p in enumerate(prompts)])
@@ -180,13 +180,15 @@ def main(argv: list[str] | None = None) -> dict:
         result["models"][name] = entry
         s = entry["scores"]
         print(f"{name:>22s}: reward {s['reward']['mean']:.3f}±{s['reward']['std']:.3f}  all-correct "
-              f"{s['all_correct']['mean']:.3f}  fd_pix {entry['fd_pix']:.2f}  {entry['fps_cpu']:.0f} frames/s", flush=True)
+              f"{s['all_correct']['mean']:.3f}  fd_pix {entry['fd_pix']:.2f}  {entry['fps_cpu']:.0f} frames/s",
+              flush=True)
 
     if not args.stream_only:
         teacher = _load(args.teacher)
         nfe = args.teacher_steps * (2 if args.teacher_cfg != 1 else 1)
         run(f"teacher_{args.teacher_steps}step_cfg{args.teacher_cfg:g}",
-            lambda seed: sample_teacher(teacher, prompts, world, seed, args.teacher_steps, args.teacher_cfg, args.batch),
+            lambda seed: sample_teacher(teacher, prompts, world, seed, args.teacher_steps, args.teacher_cfg,
+                                        args.batch),
             nfe)
     for spec in args.student:
         name, path = spec.split("=", 1)
@@ -195,14 +197,15 @@ def main(argv: list[str] | None = None) -> dict:
         chunks = causal.num_chunks(world.num_frames)
         for steps in ([] if args.stream_only else args.steps):
             sched = ChunkSchedule(causal=causal, timesteps=_timesteps(steps), shift=args.shift)
-            run(f"{name}_{steps}step", lambda seed: sample_student(gen, prompts, world, seed, sched, args.batch),
+            run(f"{name}_{steps}step",
+                lambda seed, gen=gen, sched=sched: sample_student(gen, prompts, world, seed, sched, args.batch),
                 chunks * (steps + 1))
         if args.stream_frames and (args.stream_students is None or name in args.stream_students):
             result.setdefault("stream", {})[name] = stream(gen, prompts, world, verifier, args)
 
     if result["models"]:
         t = result["models"][next(iter(result["models"]))]
-        for name, entry in result["models"].items():
+        for entry in result["models"].values():
             entry["speedup_vs_teacher"] = entry["fps_cpu"] / t["fps_cpu"]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +240,8 @@ def stream(gen, prompts, world, verifier, args) -> dict:
             print(f"  stream {positions:8s} frames {start:2d}-{start + t - 1:2d}: all: reward {s_all['reward']:.3f} "
                   f"direction {s_all.get('direction_correct', math.nan):.3f} | still ({len(still)}): reward "
                   f"{s_still['reward']:.3f} all-correct {s_still['all_correct']:.3f} shape "
-                  f"{s_still.get('shape_correct', math.nan):.3f} consistency {s_still.get('consistency', math.nan):.3f}",
+                  f"{s_still.get('shape_correct', math.nan):.3f} consistency "
+                  f"{s_still.get('consistency', math.nan):.3f}",
                   flush=True)
         out[positions] = {"windows": windows, "fps_cpu": fps, "window": args.window, "sink": args.sink,
                           "num_still_prompts": len(still)}

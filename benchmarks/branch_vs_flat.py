@@ -4,8 +4,9 @@
 
 Every run starts from the shipped model (assets/shapes-dit) with 2 prompts per iteration and 16 leaves per prompt
 (flat: a group of 16 independent rollouts; tree: factor 2, splits at steps 0, 2, 4, 6 of 10), the DanceGRPO kernel
-(eta 0.3), no CFG, lr 5e-5, clip 1e-3, network micro-batches of 8 samples, every stochastic step trained (the flat run trains all 10 steps, as
-BranchGRPO does). Mix: stochastic steps 0-1 plus the split steps (training only; rollouts still take every step).
+(eta 0.3), no CFG, lr 5e-5, clip 1e-3, network micro-batches of 8 samples, every stochastic step trained (the flat
+run trains all 10 steps, as BranchGRPO does). Mix: stochastic steps 0-1 plus the split steps (training only; rollouts
+still take every step).
 Each run trains for ``--budget`` seconds (Lightning ``max_time``), then the verifier reward is measured on
 held-out prompts with the deterministic sampler (10 Euler steps, no CFG). Prints and writes, per method: wall
 time per iteration (and its ratio to flat), denoiser evaluations per iteration, iterations done, and the held-out
@@ -54,7 +55,8 @@ def run(method: str, seed: int, budget: float) -> dict:
 
     args = METHODS[method] + COMMON + [
         f"--seed_everything={seed}", f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}",
-        f"--trainer.max_time=00:00:{int(budget) // 60:02d}:{int(budget) % 60:02d}", f"--trainer.default_root_dir=/tmp/branch_vs_flat/{method}_{seed}",
+        f"--trainer.max_time=00:00:{int(budget) // 60:02d}:{int(budget) % 60:02d}",
+        f"--trainer.default_root_dir=/tmp/branch_vs_flat/{method}_{seed}",
     ]
     cli = GenRLCLI(args=args, run=False)
     t0 = time.perf_counter()
@@ -83,11 +85,12 @@ def main() -> None:
     import sys
 
     sys.path.insert(0, str(ROOT / "evaluation"))
+    from shapes_eval import evaluate, shapes_prompts
+
     import genrl.data  # noqa: F401
     import genrl.methods  # noqa: F401
     from genrl.data.shapes import ShapesWorldConfig
     from genrl.models.loading import load_generator
-    from shapes_eval import evaluate, shapes_prompts
 
     world = ShapesWorldConfig()
     prompts = shapes_prompts(world, "heldout", args.eval_prompts, seed=0, multi_step=False)

@@ -4,7 +4,7 @@
     python benchmarks/causal_wan_stream.py --decode-per-chunk --local-window 12 --sink 3        # + streaming run
     python benchmarks/causal_wan_stream.py --tiny --decode-per-chunk --local-window 6 --sink 3  # CPU smoke run
 
-The main run is Self-Forcing's inference setting (ar_distill.md sections 0 and 1.1): 21 latent frames
+The main run is Self-Forcing's inference setting (docs/methods/distillation.md): 21 latent frames
 (81 frames at 480x832 -> latents 16 x 21 x 60 x 104, 1560 tokens per latent frame) in chunks of 3 latent frames,
 each chunk denoised with the warped few-step list [1000, 750, 500, 250] (shift 5) by genrl's chunk sampler
 (``ar_rollout``), then committed to the KV cache by one context pass (4 + 1 transformer passes per chunk).
@@ -47,9 +47,9 @@ def build(args):
 
     from genrl.models.causal import CausalConfig
     from genrl.models.families.base import set_attention_backend
-    from genrl.models.families.tiny import TINY
     from genrl.models.families.wan_causal import CausalWanGenerator
     from genrl.models.text_encoder import Conditioning
+    from genrl.testing.families import TINY
 
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else getattr(torch, args.dtype)

@@ -1,7 +1,8 @@
 """Rollout and GRPO-step time and peak memory of a diffusers family at real size (random weights).
 
-Meant for the H200 (DESIGN.md section 7 lists the raw-forward figures to compare with); ``--tiny`` runs the
-same code path on the tiny test components so that the script itself is checked on a CPU.
+Meant for the H200 (the raw-forward figures to compare with are in docs/models.md, Reference throughput
+figures); ``--tiny`` runs the same code path on the tiny test components so that the script itself is checked
+on a CPU.
 
     python benchmarks/family_grpo_step.py --family wan                 # Wan2.1-1.3B, 480x832x81, LoRA r32
     python benchmarks/family_grpo_step.py --family sd3 --batch 8       # SD3.5-M, 512 px
@@ -91,10 +92,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
 
     from genrl.flow.policy import clipped_policy_loss
-    from genrl.methods.grpo import LoraSpec
     from genrl.models.families import GeneratorSpec, build_generator
-    from genrl.models.families.tiny import TINY, TINY_SIZE
+    from genrl.models.lora import LoraSpec
     from genrl.rollout.sampler import RolloutConfig, guided_velocity, rollout, transition_log_prob
+    from genrl.testing.families import TINY, TINY_SIZE
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if device == "cuda" else "float32"

@@ -1,6 +1,7 @@
 """GRPO vs RAM vs DiffusionNFT vs AWM on the shapes world, side by side (issue 10).
 
-    python benchmarks/forward_rl_shapes.py --seeds 0 1 --grpo-steps 100 --steps 30 --out benchmarks/forward_rl_shapes.json
+    python benchmarks/forward_rl_shapes.py --seeds 0 1 --grpo-steps 100 --steps 30 \
+        --out benchmarks/forward_rl_shapes.json
 
 Every run starts from the shipped model (assets/shapes-dit) with the quickstart's prompts (4 training prompts x 8
 rollouts per iteration, shapes:train), reward (the exact shapes verifiers) and rollout budget (32 rollouts of 10
@@ -9,7 +10,8 @@ steps); RAM, NFT and AWM are configs/ram/shapes.yaml (+ nft_shapes.yaml / awm_sh
 ``--val-every`` optimizer steps the validation reward is measured on the same 64 held-out prompts with the same
 deterministic sampler (10 Euler steps, no CFG); step 0 is the base model. Reported per method and seed: the curve
 (step, wall seconds, reward), the peak, the final reward, and the optimizer steps and wall time at which the run
-first reaches GRPO's peak of the same seed (the held-out prompts are drawn with the data seed). Run it with nothing else on the machine (2 CPU cores share badly).
+first reaches GRPO's peak of the same seed (the held-out prompts are drawn with the data seed). Run it with nothing
+else on the machine (2 CPU cores share badly).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@
 A value's spread is the standard deviation of the metric over the run's seeds (the ``seed`` of its manifest), or over
 its sample index k when it has one seed and several samples per prompt (VBench's 5 samples are 5 noise draws). A
 delta is flagged ``*`` when it exceeds the larger of the two spreads (a rough guide, not a significance test). Rows
-are every dimension (raw score), reward key (mean) and distribution metric found in any run with a value; '-' where a run
-lacks it.
+are every dimension (raw score), reward key (mean) and distribution metric found in any run with a value; '-' where a
+run lacks it.
 """
 
 from __future__ import annotations

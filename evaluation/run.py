@@ -247,8 +247,14 @@ class _Distribution:
 
 
 def _progress(seq, label: str):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     seq = list(seq)
     with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -359,7 +365,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
               if math.isfinite(v["score"]) and not v["proxy"]}
     proxied = {k: v["score"] for k, v in results["dimensions"].items() if math.isfinite(v["score"])}
     results["vbench"] = {"composites": composites(native), "composites_with_proxies": composites(proxied)}
-    for key, m in metrics.items():
+    for m in metrics.values():
         if m.kind != "reward":
             continue
         vals = [v for v, _ in m.values.values()]

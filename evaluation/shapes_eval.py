@@ -28,7 +28,7 @@ def shapes_prompts(world, split: str, n: int, seed: int, multi_step: bool) -> li
 
     if split == "heldout" and not multi_step:
         return heldout_prompts(world, n, seed=seed)
-    from genrl.rollout.noise import sample_generator
+    from genrl.noise import sample_generator
 
     out = []
     for i in range(n):
@@ -62,7 +62,8 @@ def evaluate(generator, world, prompts: list[str], seed: int, steps: int, cfg_sc
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="folder saved by save_pretrained (e.g. assets/shapes-dit) or a genrl fit .ckpt")
+    p.add_argument("--model", required=True,
+                   help="folder saved by save_pretrained (e.g. assets/shapes-dit) or a genrl fit .ckpt")
     p.add_argument("--text-encoder", default="minilm", help="local text-encoder folder or 'minilm'")
     p.add_argument("--split", default="heldout", choices=["heldout", "train", "all"])
     p.add_argument("--num-prompts", type=int, default=256)

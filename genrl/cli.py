@@ -15,10 +15,52 @@ overrides come last (``--model.cfg_scale=4``), ``--print_config`` prints the res
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
-__all__ = ["GenRLCLI", "main"]
+import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
+import genrl.methods  # noqa: F401  (registers genrl's methods for short class names)
+
+__all__ = ["GenRLCLI", "check_legacy_keys", "main"]
+
+#: method arguments replaced by the one ``generator:`` spec (genrl's DiT is ``generator: {family: dit, ...}``).
+LEGACY_KEYS = {
+    "transformer": "model.init_args.generator (with family: dit, pretrained: <folder> or components: {transformer: "
+                   "{...VideoDiT values}})",
+    "text_encoder": "model.init_args.generator.text_encoder",
+    "max_text_length": "model.init_args.generator.max_sequence_length",
+}
+
+
+def check_legacy_keys(args) -> None:
+    """Refuse configs and overrides that use the method arguments replaced by the one generator spec, naming the new
+    key (``model.init_args.transformer`` -> ``model.init_args.generator`` with ``family: dit``, and so on).
+
+    Raises:
+        ValueError: a ``--config`` file or a ``--model.init_args.<old key>`` override uses an old key.
+    """
+    import yaml
+
+    argv = list(sys.argv[1:] if args is None else args)
+    found: list[tuple[str, str]] = []
+    for i, a in enumerate(argv):
+        path = argv[i + 1] if a == "--config" and i + 1 < len(argv) else a[len("--config="):] \
+            if a.startswith("--config=") else None
+        if path is not None and Path(path).is_file():
+            cfg = yaml.safe_load(Path(path).read_text()) or {}
+            init = ((cfg.get("model") or {}).get("init_args") or {}) if isinstance(cfg, dict) else {}
+            found += [(k, path) for k in LEGACY_KEYS if isinstance(init, dict) and k in init]
+        for k in LEGACY_KEYS:
+            if a.startswith((f"--model.init_args.{k}.", f"--model.init_args.{k}=")):
+                found.append((k, a.split("=", 1)[0]))
+    if found:
+        key, where = found[0]
+        raise ValueError(f"model.init_args.{key} (in {where}) was replaced by {LEGACY_KEYS[key]}: every method "
+                         f"takes one generator spec now, e.g. generator: {{family: dit, pretrained: assets/shapes-dit, "
+                         f"text_encoder: minilm}} (docs/models.md)")
 
 
 class GenRLCLI(LightningCLI):
@@ -31,6 +73,7 @@ class GenRLCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf"})
+        check_legacy_keys(args)
         super().__init__(args=args, run=run, **kwargs)
 
 
@@ -48,17 +91,10 @@ def main(args: list[str] | None = None) -> None:
     ``genrl reward-serve ...`` and ``genrl rewards ...`` run their tool and exit with its code (SystemExit);
     anything else goes to the LightningCLI (``fit``, ``validate``, ``test``, ``predict``, ``--help``).
     """
-    import sys
-
     argv = list(sys.argv[1:] if args is None else args)
     if argv and argv[0] in TOOLS:
-        import importlib
-
         module, func = TOOLS[argv[0]].split(":")
         raise SystemExit(getattr(importlib.import_module(module), func)(argv[1:]))
-
-    import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
-    import genrl.methods  # noqa: F401
 
     GenRLCLI(args=args)
 

@@ -118,7 +118,8 @@ def _causal_schedule(gen, args, shift: float):
     if recorded is not None and args.causal_chunk is None:
         causal = recorded.causal
         if args.local_window is not None:
-            causal = CausalConfig(causal.chunk_size, causal.first_chunk_size, args.local_window, args.sink, args.positions)
+            causal = CausalConfig(causal.chunk_size, causal.first_chunk_size, args.local_window, args.sink,
+                                  args.positions)
         return ChunkSchedule(causal=causal, timesteps=args.timesteps or recorded.timesteps,
                              shift=recorded.shift if args.shift is None else shift, warp=recorded.warp,
                              kernel=recorded.kernel, context_noise=recorded.context_noise)
@@ -174,7 +175,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="causal student: latent frames per chunk; generates chunk by chunk with a KV cache (a DMD / "
                         "ODE-init checkpoint does this by itself with its training schedule)")
     p.add_argument("--timesteps", type=float, nargs="+", default=None,
-                   help="causal student: the few-step list in [0, 1000] (default 1000 750 500 250), warped with --shift")
+                   help="causal student: the few-step list in [0, 1000] (default 1000 750 500 250), warped with "
+                        "--shift")
     p.add_argument("--local-window", type=int, default=None, help="causal student: attention window in latent frames")
     p.add_argument("--sink", type=int, default=0, help="causal student: sink frames kept with --local-window")
     p.add_argument("--positions", choices=["absolute", "relative"], default="absolute",
@@ -289,8 +291,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"warning: {len(differing)} existing files were made with other settings than this command "
               f"(e.g. {differing[0]!r}; see manifest.jsonl); use another --out to regenerate them", file=sys.stderr)
 
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     t1 = time.perf_counter()
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

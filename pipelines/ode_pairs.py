@@ -209,13 +209,20 @@ def generate_ode_pairs(
 
     bar_ctx = nullcontext()
     if progress:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         bar_ctx = Progress(TextColumn("teacher ODE pairs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                            TimeRemainingColumn())
     with bar_ctx as bar:
-        task = bar.add_task("pairs", total=n, completed=n - sum(min(n, s + batch_size) - s for s in todo)) if bar is not None else None
+        done = n - sum(min(n, s + batch_size) - s for s in todo)
+        task = bar.add_task("pairs", total=n, completed=done) if bar is not None else None
         for s in todo:
             e = min(n, s + batch_size)
             traj = rollout(teacher_generator, prompts[s:e], latent_shape, seed, list(range(s, e)), config, record=True)
@@ -240,8 +247,9 @@ def generate_ode_pairs(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Generate teacher ODE pairs for the ODE initialisation of a causal student.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description="Generate teacher ODE pairs for the ODE initialisation of a causal student.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--teacher", default="assets/shapes-dit",
                    help="genrl DiT folder, diffusers pipeline folder (model_index.json) or a genrl fit .ckpt")
     p.add_argument("--pretrained", default=None, help="checkpoints only: the local base-model folder")
@@ -255,8 +263,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--negative-prompt", default="", help="the unconditional prompt of CFG")
     p.add_argument("--student-timesteps", type=float, nargs="+", default=[1000.0, 750.0, 500.0, 250.0],
                    help="the student's few-step list in (0, 1000] (as ChunkSchedule.timesteps)")
-    p.add_argument("--student-shift", type=float, default=1.0, help="the student's schedule shift (ChunkSchedule.shift)")
-    p.add_argument("--no-warp", action="store_true", help="shift each listed timestep directly (ChunkSchedule.warp false)")
+    p.add_argument("--student-shift", type=float, default=1.0,
+                   help="the student's schedule shift (ChunkSchedule.shift)")
+    p.add_argument("--no-warp", action="store_true",
+                   help="shift each listed timestep directly (ChunkSchedule.warp false)")
     p.add_argument("--frames", type=int, default=None, help="DiT: latent frames (default 8); families: pixel frames")
     p.add_argument("--height", type=int, default=None, help="pixels (DiT default 16)")
     p.add_argument("--width", type=int, default=None, help="pixels (DiT default 16)")

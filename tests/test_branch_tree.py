@@ -52,7 +52,8 @@ def test_rollout_counts_bitwise_leaves_and_exact_ratios(gen):
     assert edges["step"].numel() == 2 * tree.num_edges(6)
     for leaf in (0, 7, 11):  # any leaf, regenerated alone from its seed and path, is bitwise equal
         t = int(ro.tree[-1][leaf])
-        alone = regenerate_leaf(gen, PROMPTS[t], SHAPE, 3, int(ro.tree_indices[t]), int(ro.codes[-1][leaf]), config, tree)
+        alone = regenerate_leaf(gen, PROMPTS[t], SHAPE, 3, int(ro.tree_indices[t]), int(ro.codes[-1][leaf]), config,
+                                tree)
         assert torch.equal(alone.cpu(), ro.leaves[leaf])
     for k in range(6):  # the loss side recomputes every edge's log-prob exactly (ratio 1 on the first update)
         children = torch.arange(ro.latents[k + 1].shape[0])
@@ -91,17 +92,19 @@ def test_fusion_and_depthwise_advantages():
     assert adv[0].tolist() == [0.0]  # a depth with one node
     half = 2**-0.5
     torch.testing.assert_close(adv[1], torch.tensor([-half, half]), atol=1e-6, rtol=0)  # 2 nodes: always +-1/sqrt 2
-    torch.testing.assert_close(adv[3], group_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]), torch.zeros(4, dtype=torch.long),
-                                                        eps=1e-8, ddof=1))
+    torch.testing.assert_close(adv[3], group_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]),
+                                                        torch.zeros(4, dtype=torch.long), eps=1e-8, ddof=1))
     # an invalid leaf is left out of its ancestors' means and gets advantage 0
     r2, ok2 = fuse_rewards(parent, torch.tensor([1.0, float("nan"), 3.0, 5.0]), torch.tensor([True, False, True, True]))
     assert r2[1].tolist() == [1.0, 4.0] and not bool(ok2[3][1])
     assert depthwise_advantages(r2, ok2, tree)[3][1] == 0
     # path-probability weighting: equal log-probs = the mean; a dominant child takes over its parent
     lp = [torch.zeros(0), torch.zeros(2), torch.zeros(4), torch.zeros(4)]
-    assert fuse_rewards(parent, torch.tensor([1.0, 2.0, 3.0, 5.0]), log_probs=lp, weighting="path_prob")[0][1].tolist() == [1.5, 4.0]
+    fused = fuse_rewards(parent, torch.tensor([1.0, 2.0, 3.0, 5.0]), log_probs=lp, weighting="path_prob")
+    assert fused[0][1].tolist() == [1.5, 4.0]
     lp[2] = torch.tensor([50.0, 0.0, 0.0, 0.0])
-    assert fuse_rewards(parent, torch.tensor([1.0, 2.0, 3.0, 5.0]), log_probs=lp, weighting="path_prob")[0][1][0] == pytest.approx(1.0)
+    fused = fuse_rewards(parent, torch.tensor([1.0, 2.0, 3.0, 5.0]), log_probs=lp, weighting="path_prob")
+    assert fused[0][1][0] == pytest.approx(1.0)
 
 
 def test_pruning_cuts_218_edges_to_138_both_ways():

@@ -1,4 +1,4 @@
-"""Causal chunk-wise generation with a KV cache (ar_distill.md section 4.1 items 7-9, 11; tempact.md section 3):
+"""Causal chunk-wise generation with a KV cache (docs/methods/distillation.md, Invariants tested):
 cache == block-causal full forward (also with window + sink eviction and RoPE offsets), causality, fork,
 prompt switch, Self-Forcing truncation and the rank-0 exit step, on a tiny float64 DiT."""
 
@@ -13,8 +13,14 @@ from genrl.models.causal import CausalConfig, KVCache, frame_visibility
 from genrl.models.dit import VideoDiT
 from genrl.models.generator import DiTGenerator
 from genrl.models.text_encoder import Conditioning
-from genrl.rollout.autoregressive import (ChunkSchedule, ar_rollout, fork, sample_exit_step, switch_prompt,
-                                         teacher_forced_velocity)
+from genrl.rollout.autoregressive import (
+    ChunkSchedule,
+    ar_rollout,
+    fork,
+    sample_exit_step,
+    switch_prompt,
+    teacher_forced_velocity,
+)
 
 C, H, W = 4, 4, 4
 FRAME = (C, H, W)
@@ -65,7 +71,8 @@ def _text(b=2):
 
 
 # cache-relative positions equal absolute ones only for a rotary (relative) position code, hence rope 8 there
-@pytest.mark.parametrize("name,rope", [(n, r) for n in LAYOUTS for r in (0, 8) if r or LAYOUTS[n].positions == "absolute"])
+@pytest.mark.parametrize("name,rope",
+                         [(n, r) for n in LAYOUTS for r in (0, 8) if r or LAYOUTS[n].positions == "absolute"])
 def test_kv_cache_equals_block_causal_full_forward(name, rope):
     cfg = LAYOUTS[name]
     m = _dit(rope)
@@ -93,7 +100,8 @@ def test_kv_cache_equals_block_causal_full_forward(name, rope):
     assert torch.allclose(torch.cat(commits, 1), full_clean, atol=1e-11, rtol=0)
     if cfg.local_window is not None:  # eviction really happened: only sink + window groups are kept
         kept = cache.frames.tolist()
-        assert len(kept) < t // 2 and all(f < cfg.sink_frames or f >= t + cfg.chunk_size - cfg.local_window for f in kept)
+        assert len(kept) < t // 2
+        assert all(f < cfg.sink_frames or f >= t + cfg.chunk_size - cfg.local_window for f in kept)
         assert cache.keys[0].shape[2] == len(kept) * cache.tokens_per_group
 
 
@@ -108,8 +116,8 @@ def test_relative_positions_stay_bounded_and_differ_from_absolute_with_a_sink():
     for name, cfg in (("abs", cfg_abs), ("rel", cfg_rel)):
         cache = KVCache(cfg, b, patch_frames=2)
         for k in range(6):
-            outs[name, k] = m(x[:, 2 * k:2 * k + 2], torch.zeros(b, dtype=torch.float64), text, attention="block_causal",
-                              causal=cfg, start_frame=2 * k, kv_cache=cache, commit=True)
+            outs[name, k] = m(x[:, 2 * k:2 * k + 2], torch.zeros(b, dtype=torch.float64), text,
+                              attention="block_causal", causal=cfg, start_frame=2 * k, kv_cache=cache, commit=True)
     for k in range(3):  # before anything is evicted the sink is adjacent to the window: identical
         assert torch.allclose(outs["abs", k], outs["rel", k], atol=1e-11)
     assert not torch.allclose(outs["abs", 5], outs["rel", 5], atol=1e-6)
@@ -278,7 +286,8 @@ def test_self_forcing_truncation_only_exit_step_carries_a_graph():
     assert calls == [False, False, False] * 2 + [False, False, True] * 2
     assert out.grad_mask[0].tolist() == [False] * 4 + [True] * 4
     assert out.latents.requires_grad and out.exit_step == 2
-    assert out.sigma_from == pytest.approx(sch.sigmas()[2].item()) and out.sigma_to == pytest.approx(sch.sigmas()[3].item())
+    assert out.sigma_from == pytest.approx(sch.sigmas()[2].item())
+    assert out.sigma_to == pytest.approx(sch.sigmas()[3].item())
     assert not any(t.requires_grad for t in out.state.cache.keys + out.state.cache.values)
     out.latents.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in gen.transformer.parameters())

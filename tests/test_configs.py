@@ -24,6 +24,7 @@ COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/tiny/dmd.yaml": "configs/dmd/shapes.yaml",
             "configs/tiny/afd.yaml": "configs/afd/shapes.yaml",
             "configs/tiny/ram.yaml": "configs/ram/shapes.yaml",
+            "configs/tiny/rwr.yaml": "configs/rwr/shapes.yaml",
             "configs/ram/nft_shapes.yaml": "configs/ram/shapes.yaml",
             "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml"}
 
@@ -62,7 +63,7 @@ RAM_CONFIGS = {
                          + [("branch_grpo", f) for f in sorted(BRANCH_CONFIGS)]
                          + [("ram", f) for f in sorted(RAM_CONFIGS)])
 def test_family_config_trains_on_tiny_components(method, family, tmp_path, monkeypatch):
-    from genrl.models.families.tiny import TINY, TINY_SIZE
+    from genrl.testing.families import TINY, TINY_SIZE
 
     monkeypatch.chdir(tmp_path)
     size = TINY_SIZE[family]
@@ -104,7 +105,7 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
 def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
     """configs/dmd/wan2.1_t2v_1.3b.yaml with its weights swapped for tiny random ones: the causal Wan student,
     the teacher and the critic transformers train through the real CLI (student and critic change)."""
-    from genrl.models.families.tiny import TINY, TINY_SIZE
+    from genrl.testing.families import TINY, TINY_SIZE
 
     monkeypatch.chdir(tmp_path)
     size = TINY_SIZE["wan"]
@@ -138,7 +139,7 @@ def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
     """configs/afd/wan2.1_t2v_1.3b.yaml with tiny random Wan components and a folder of synthetic teacher mp4s:
     the causal Wan student (LoRA) and the discriminator train through the real CLI."""
     from genrl.data.video_io import write_video
-    from genrl.models.families.tiny import TINY, TINY_SIZE
+    from genrl.testing.families import TINY, TINY_SIZE
 
     monkeypatch.chdir(tmp_path)
     size = TINY_SIZE["wan"]
@@ -177,3 +178,14 @@ def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
                and not torch.equal(before[n], p.detach())}
     assert changed == {"generator", "discriminator"} and int(cli.model.iteration) == 2
     assert all("lora_" in n for n in before if n.startswith("generator."))
+
+
+def test_old_style_policy_keys_name_the_new_generator_key(tmp_path):
+    """Configs from before the one generator spec (``transformer:``, ``text_encoder:``) fail with the new key named."""
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  class_path: genrl.methods.GRPO\n  init_args:\n    transformer:\n      pretrained: "
+                   "assets/shapes-dit\n    text_encoder: minilm\n")
+    with pytest.raises(ValueError, match=r"model.init_args.transformer .*replaced by model.init_args.generator"):
+        _cli(["--config", str(ROOT / "configs/quickstart.yaml"), "--config", str(old)], run=False)
+    with pytest.raises(ValueError, match=r"text_encoder.*replaced by model.init_args.generator.text_encoder"):
+        _cli(["--config", str(ROOT / "configs/quickstart.yaml"), "--model.init_args.text_encoder=minilm"], run=False)

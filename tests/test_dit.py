@@ -72,7 +72,8 @@ def test_text_padding_is_ignored(dit64):
 
 
 def test_image_mode_t1():
-    model = _randomised(VideoDiT(patch_size=(1, 2, 2), hidden_size=32, num_layers=1, num_attention_heads=2, text_dim=16))
+    model = _randomised(VideoDiT(patch_size=(1, 2, 2), hidden_size=32, num_layers=1, num_attention_heads=2,
+                                 text_dim=16))
     x = torch.randn(3, 1, 3, 8, 8)
     out = model(x, torch.rand(3), torch.randn(3, 4, 16))
     assert out.shape == x.shape and torch.isfinite(out).all()

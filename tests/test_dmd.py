@@ -1,9 +1,9 @@
-"""DMD with Self-Forcing rollouts (ar_distill.md section 4.1 items 1, 2, 12): zero point, gradient algebra through the
-method, two-optimizer cadence under gradient accumulation, accumulation == one batch, resume == uninterrupted."""
+"""DMD with Self-Forcing rollouts (docs/methods/distillation.md, Invariants tested): zero point, gradient
+algebra through the method, two-optimizer cadence under gradient accumulation, accumulation == one batch,
+resume == uninterrupted."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -19,9 +19,9 @@ TINY = str(ROOT / "configs/tiny/dmd.yaml")
 
 @pytest.fixture
 def tiny_causal(tiny_policy, tiny_text_encoder):
-    return [f"--model.init_args.transformer.pretrained={tiny_policy}",
+    return [f"--model.init_args.generator.pretrained={tiny_policy}",
             f"--model.init_args.teacher.pretrained={tiny_policy}",
-            f"--model.init_args.text_encoder={tiny_text_encoder}"]
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
 
 
 def _cli(args: list[str], run: bool = True) -> GenRLCLI:
@@ -41,7 +41,7 @@ def _method(tiny_causal, *extra):
 
 def test_dmd_gradient_is_zero_when_critic_equals_teacher_without_cfg(tiny_causal):
     model = _method(tiny_causal, "--model.init_args.teacher_cfg_scale=1.0")
-    model.critic.load_state_dict(model._teacher.state_dict())
+    model.critic.load_state_dict(model.roles.get("teacher").state_dict())
     cond = model.generator.encode_prompts(["a red circle moving left", "a blue square moving up"])
     out = model.generator_loss(cond, torch.tensor([0, 1]), it=0)
     out["loss"].backward()
@@ -50,7 +50,7 @@ def test_dmd_gradient_is_zero_when_critic_equals_teacher_without_cfg(tiny_causal
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
     # and with CFG w = 2 the same setup pushes the student (the test can fail)
     model2 = _method(tiny_causal, "--model.init_args.teacher_cfg_scale=2.0")
-    model2.critic.load_state_dict(model2._teacher.state_dict())
+    model2.critic.load_state_dict(model2.roles.get("teacher").state_dict())
     model2.generator_loss(cond, torch.tensor([0, 1]), it=0)["loss"].backward()
     assert any(p.grad.abs().sum() > 0 for p in model2.generator.transformer.parameters())
 
@@ -103,9 +103,11 @@ def test_accumulated_micro_batches_equal_one_batch(tiny_causal):
             p.grad = None
         for rows in rows_list:
             cond = model.generator.encode_prompts([prompts[i] for i in rows])
-            loss = model.generator_loss(cond, idx[rows], it=0)["loss"] + model.critic_step_loss(cond, idx[rows], 0)["loss"]
+            loss = (model.generator_loss(cond, idx[rows], it=0)["loss"]
+                    + model.critic_step_loss(cond, idx[rows], 0)["loss"])
             (loss / len(rows_list)).backward()
-        return [p.grad.clone() for p in list(model.generator.transformer.parameters()) + list(model.critic.parameters())]
+        params = list(model.generator.transformer.parameters()) + list(model.critic.parameters())
+        return [p.grad.clone() for p in params]
 
     one = grads([[0, 1, 2, 3]])
     two = grads([[0, 1], [2, 3]])
@@ -151,8 +153,11 @@ def test_cadence_counts_optimizer_steps_and_resume_equals_uninterrupted(tmp_path
     resumed = _cli([*tiny_causal, "--trainer.max_steps=6", "--ckpt_path=last"])
     assert int(resumed.model.iteration) == 4
     sd_full, sd_res = full.model.state_dict(), resumed.model.state_dict()
-    for k in sd_full:
-        assert torch.allclose(sd_full[k].float(), sd_res[k].float(), atol=1e-6), k
+    for k in sd_full:  # tensors, and the reward manager's state (the scorer's extra state)
+        if torch.is_tensor(sd_full[k]):
+            assert torch.allclose(sd_full[k].float(), sd_res[k].float(), atol=1e-6), k
+        else:
+            assert sd_full[k] == sd_res[k], k
 
     # gradient accumulation over 2 micro-batches: the same 4 iterations and 2 + 4 optimizer steps
     monkeypatch.chdir(tmp_path / "c")
@@ -160,10 +165,12 @@ def test_cadence_counts_optimizer_steps_and_resume_equals_uninterrupted(tmp_path
                 "--trainer.val_check_interval=8"])
     assert int(acc.model.iteration) == 4 and int(acc.model.micro_step) == 8
 
-    # the student and the critic both changed; the teacher is not a checkpointed child
+    # the student and the critic both changed; the teacher is a registered child but not checkpointed
     base = torch.load(next(Path(tmp_path / "a").rglob("epoch=*step=3.ckpt")), weights_only=False)["state_dict"]
-    assert not any(k.startswith("_teacher") for k in base)
-    changed = {k.split(".")[0] for k in sd_full if k in base and not torch.equal(sd_full[k], base[k])}
+    assert not any(k.startswith("frozen.") for k in base)
+    assert any(n.startswith("frozen.teacher.") for n, _ in full.model.named_parameters())
+    changed = {k.split(".")[0] for k in sd_full
+               if k in base and torch.is_tensor(base[k]) and not torch.equal(sd_full[k], base[k])}
     assert {"generator", "critic"} <= changed
 
 
@@ -172,3 +179,29 @@ def test_bad_settings_raise(tiny_causal):
         _method(tiny_causal, "--model.init_args.num_frames=7")
     with pytest.raises(ValueError, match="critic_updates_per_generator_update"):
         _method(tiny_causal, "--model.init_args.critic_updates_per_generator_update=0")
+
+
+def test_generator_loss_weight_hook_scales_the_dmd_gradient_per_sample(tiny_causal):
+    """The weight hook (for reward-weighted DMD): w = [2, 0] doubles sample 0's share of the loss and removes sample 1's
+    (the loss is 0.5 sum(w (x - sg(x - g))^2) / N, so it is linear in w per sample); None leaves DMD unchanged."""
+    model = _method(tiny_causal)
+    cond = model.generator.encode_prompts(["a red circle moving left", "a blue square moving up"])
+    idx = torch.tensor([0, 1])
+    seen = {}
+
+    def only(i):
+        def hook(x, x0_fake, x0_real, indices):
+            seen["args"] = (x.shape, x0_fake.shape, x0_real.shape, indices.tolist())
+            return torch.tensor([1.0, 0.0]) if i == 0 else torch.tensor([0.0, 1.0])
+        return hook
+
+    plain = float(model.generator_loss(cond, idx, it=0)["loss"])
+    model.generator_loss_weight = only(0)
+    first = float(model.generator_loss(cond, idx, it=0)["loss"])
+    model.generator_loss_weight = only(1)
+    second = float(model.generator_loss(cond, idx, it=0)["loss"])
+    model.generator_loss_weight = lambda *a: 2.0
+    doubled = float(model.generator_loss(cond, idx, it=0)["loss"])
+    assert seen["args"][3] == [0, 1] and seen["args"][0] == seen["args"][1] == seen["args"][2]
+    assert first > 0 and second > 0 and first != second
+    assert first + second == pytest.approx(plain, rel=1e-5) and doubled == pytest.approx(2 * plain, rel=1e-5)

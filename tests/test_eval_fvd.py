@@ -399,10 +399,10 @@ def test_inception_extractor_loads_local_weights(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("vision_only", [False, True])
 def test_clip_image_extractor(tmp_path, vision_only, real_videos):
-    from genrl.rewards.clip_rewards import _write_tiny_hf_clip
+    from genrl.testing.rewards import write_tiny_hf_clip
 
     folder = tmp_path / "clip"
-    _write_tiny_hf_clip(folder, seed=0, with_tokenizer=False, vision_only=vision_only)
+    write_tiny_hf_clip(folder, seed=0, with_tokenizer=False, vision_only=vision_only)
     ext = ClipImageExtractor(folder)
     frames = real_videos["bikes"][:6]
     feats = ext(frames)

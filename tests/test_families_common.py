@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
-
 from families_util import save_tiny_pipeline
+
 from genrl.models.families import FAMILIES, GeneratorSpec, build_generator, family_class
-from genrl.models.families.tiny import TINY, TINY_SIZE
+from genrl.testing.families import TINY, TINY_SIZE
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -86,7 +86,7 @@ def test_disk_prompt_cache_serves_a_new_process(family_folder, tmp_path, monkeyp
 def test_bf16_weights_and_gradient_checkpointing(family_folder):
     """bf16 weights give a bf16 velocity close to the float32 one; LoRA weights stay float32; gradient
     checkpointing changes memory, not gradients."""
-    from genrl.methods.grpo import LoraSpec
+    from genrl.models.lora import LoraSpec
     from genrl.rollout.noise import randn_per_sample
 
     family, folder = family_folder

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families_util import grpo_two_steps, pipeline_with_lora, tiny_pipeline_fixture
+
 from genrl.models.families import GeneratorSpec, build_generator
-from genrl.models.families.tiny import TINY, TINY_SIZE
 from genrl.rollout.noise import randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, rollout
+from genrl.testing.families import TINY, TINY_SIZE
 
 PROMPTS = ["a red circle moving left", "a blue square staying still"]
 SIZE = TINY_SIZE["sana"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from families_util import grpo_two_steps, pipeline_with_lora, tiny_pipeline_fixture
+
 from genrl.models.families import GeneratorSpec, build_generator
-from genrl.models.families.tiny import TINY_SIZE
 from genrl.rollout.noise import randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, rollout
+from genrl.testing.families import TINY, TINY_SIZE
 
 PROMPTS = ["a red circle moving left", "a blue square staying still"]
 
@@ -72,7 +72,7 @@ def test_lora_round_trip_matches_the_diffusers_pipeline(wan_folder, tmp_path):
 
 def test_bad_sizes_and_specs_are_named():
     with pytest.raises(ValueError, match="4k\\+1"):
-        build_generator(GeneratorSpec(family="wan", components=__import__("genrl.models.families.tiny", fromlist=["TINY"]).TINY["wan"],
+        build_generator(GeneratorSpec(family="wan", components=TINY["wan"],
                                       height=16, width=16, num_frames=6))
     with pytest.raises(ValueError, match="unknown model family 'wan3'"):
         build_generator(GeneratorSpec(family="wan3", pretrained="x"))

@@ -12,12 +12,12 @@ import copy
 
 import pytest
 import torch
-
 from families_util import save_tiny_pipeline
+
 from genrl.models.causal import CausalConfig
 from genrl.models.families import GeneratorSpec, build_generator
-from genrl.models.families.tiny import TINY, TINY_SIZE
 from genrl.models.families.wan_causal import CausalWanAttnProcessor, CausalWanGenerator, wan_rope_tables
+from genrl.testing.families import TINY, TINY_SIZE
 
 PROMPTS = ["a red circle moving left", "a blue square staying still"]
 B, C, H, W = 2, 16, 4, 4  # latents 4 x 4 -> 2 x 2 = 4 tokens per latent frame
@@ -48,13 +48,13 @@ def _stream_vs_full(gen, cond, causal, num_chunks, start=0, per_frame=False, no_
     clean, noisy = _latents(total, 1), _latents(total, 2)
     cache = gen.init_cache(B, causal)
     cache.end_frame = start
-    k = 0
-    while causal.chunk_start(k) < start:
-        k += 1
-    assert causal.chunk_start(k) == start
+    first = 0
+    while causal.chunk_start(first) < start:
+        first += 1
+    assert causal.chunk_start(first) == start
     err, outs = 0.0, []
     with torch.set_grad_enabled(not no_grad):
-        for k in range(k, num_chunks):
+        for k in range(first, num_chunks):
             s0, n = causal.chunk_start(k) - start, causal.chunk_len(k)
             x_k = noisy[:, :, s0:s0 + n]
             sigma_k = (torch.linspace(0.6, 0.8, n, dtype=F64).expand(B, n) if per_frame

@@ -1,7 +1,7 @@
 """Tests of genrl.flow.forward_rl: the shared advantage-weighted FM core, RAM, AWM, NFT's update, timesteps.
 
-Invariants R1, R3, R4, R6, R7 of research/tmd_ram.md §4.2 and the Gaussian population fixed point of §4.3,
-all in float64 against closed forms.
+Invariants R1, R3, R4, R6, R7 and the Gaussian population fixed point of docs/methods/forward_rl.md
+(Invariants tested), all in float64 against closed forms.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def test_ram_target_value_broadcast_and_mask():
 
 
 # ----------------------------------------------------------------------------------------------
-# Gaussian population fixed point (research/tmd_ram.md §4.3)
+# Gaussian population fixed point (docs/methods/forward_rl.md, Invariants tested)
 
 _Z, _W = (torch.tensor(a, dtype=F64) for a in np.polynomial.hermite_e.hermegauss(20))
 _W = _W / _W.sum()

@@ -1,4 +1,4 @@
-"""Tests of genrl.flow SDE step kernels and GRPO objective pieces (research/grpo.md §4 invariants)."""
+"""Tests of genrl.flow SDE step kernels and GRPO objective pieces (docs/methods/grpo.md, Invariants tested)."""
 
 from __future__ import annotations
 

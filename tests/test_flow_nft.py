@@ -1,6 +1,6 @@
 """Tests of genrl.flow.nft (BT loss, R1 / R2, advantages, DiffusionNFT loss) and genrl.models.VideoDiscriminator.
 
-Invariants from research/ar_distill.md §4.1 items 5-6 and research/tmd_ram.md §4.2 (R4).
+Invariants listed in docs/methods/distillation.md and docs/methods/forward_rl.md (Invariants tested; R4).
 """
 
 from __future__ import annotations
@@ -222,7 +222,8 @@ def test_nft_gradient_zero_at_r_half():
     g = _grad(lambda v: nft_loss(v, v_old, x_t, x0, sigma, half, beta=1.0, adaptive=False), v_old)
     assert torch.equal(g, torch.zeros_like(g))
     for adaptive in (False, True):
-        g = _grad(lambda v: nft_loss(v, v_old, x_t, x0, sigma, half, beta=0.3, adaptive=adaptive), v_old)
+        g = _grad(lambda v, adaptive=adaptive: nft_loss(v, v_old, x_t, x0, sigma, half, beta=0.3, adaptive=adaptive),
+                  v_old)
         assert float(g.abs().max()) < 1e-12
 
 
@@ -247,7 +248,7 @@ def test_nft_adaptive_value_and_gradient_at_old_policy():
     expected = c / beta * (res.square() / w).reshape(b, -1).mean(1).mean()
     val = nft_loss(v_old.clone(), v_old, x_t, x0, sigma, r, beta=beta, clip_c=c, adaptive=True)
     torch.testing.assert_close(val, expected, rtol=1e-12, atol=0)
-    # tmd_ram.md R4: the gradient at theta = old is 2 C sigma^2 (2r - 1) (v_old - u) / (w N B)
+    # R4 (docs/methods/forward_rl.md): the gradient at theta = old is 2 C sigma^2 (2r - 1) (v_old - u) / (w N B)
     g = _grad(lambda v: nft_loss(v, v_old, x_t, x0, sigma, r, beta=beta, clip_c=c, adaptive=True), v_old)
     u = eps - x0
     g_ref = 2 * c * s.square() * (2 * r.reshape(b, 1, 1, 1, 1) - 1) * (v_old - u) / (w * n * b)
@@ -266,7 +267,7 @@ def test_nft_positive_r_pulls_towards_the_sample():
     for r_val, sign in ((1.0, -1.0), (0.0, 1.0)):
         r = torch.full((SHAPE[0],), r_val, dtype=F64)
         for adaptive in (False, True):
-            g = _grad(lambda v: nft_loss(v, v_old, x_t, x0, sigma, r, adaptive=adaptive), v_old)
+            g = _grad(lambda v, r=r, adaptive=adaptive: nft_loss(v, v_old, x_t, x0, sigma, r, adaptive=adaptive), v_old)
             v_new = v_old - 1e-3 * g / g.abs().max()
             change = (v_new - u).square().mean() - (v_old - u).square().mean()
             assert float(change) * sign > 0

@@ -22,7 +22,7 @@ POLICY: list[str] = []
 @pytest.fixture(autouse=True)
 def _random_tiny_policy(tiny_policy):
     # a tiny policy with random (not zero-initialised) weights, loaded through the pretrained path
-    POLICY[:] = [f"--model.init_args.transformer.pretrained={tiny_policy}", "--model.init_args.transformer.config={}"]
+    POLICY[:] = [f"--model.init_args.generator.pretrained={tiny_policy}", "--model.init_args.generator.components={}"]
 
 
 def _fit(args: list[str], run: bool = True) -> GenRLCLI:
@@ -54,7 +54,7 @@ class _AllNaN(RewardModel):
 
 
 def test_resume_equals_uninterrupted_and_params_change(tmp_path, monkeypatch, tiny_text_encoder):
-    enc = f"--model.init_args.text_encoder={tiny_text_encoder}"
+    enc = f"--model.init_args.generator.text_encoder={tiny_text_encoder}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
@@ -78,7 +78,7 @@ def test_resume_equals_uninterrupted_and_params_change(tmp_path, monkeypatch, ti
 
 def test_first_update_has_ratio_one_and_no_clipping(tmp_path, monkeypatch, tiny_text_encoder):
     monkeypatch.chdir(tmp_path)
-    cli = _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1"])
+    cli = _fit([f"--model.init_args.generator.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1"])
     m = cli.trainer.logged_metrics
     # one mini-batch, one epoch: every log-prob is recomputed before the first optimizer step
     assert float(m["train/ratio_mean"]) == 1.0
@@ -89,7 +89,7 @@ def test_first_update_has_ratio_one_and_no_clipping(tmp_path, monkeypatch, tiny_
 def test_lora_trains_only_the_adapter_and_kl_reference(tmp_path, monkeypatch, tiny_text_encoder):
     monkeypatch.chdir(tmp_path)
     cli = _fit([
-        f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=2",
+        f"--model.init_args.generator.text_encoder={tiny_text_encoder}", "--trainer.max_steps=2",
         "--model.init_args.lora.rank=4", "--model.init_args.kl_beta=0.1",
     ], run=False)
     cli.model.configure_model()
@@ -105,7 +105,7 @@ def test_lora_trains_only_the_adapter_and_kl_reference(tmp_path, monkeypatch, ti
 
 def test_nan_rewards_are_masked_not_zeroed(tmp_path, monkeypatch, tiny_text_encoder):
     monkeypatch.chdir(tmp_path)
-    cli = _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1",
+    cli = _fit([f"--model.init_args.generator.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1",
                 "--model.init_args.rewards=[{name: test_half_nan}]", "--trainer.limit_val_batches=0"])
     m = cli.trainer.logged_metrics
     assert float(m["reward/invalid_fraction"]) == 0.5
@@ -115,13 +115,13 @@ def test_nan_rewards_are_masked_not_zeroed(tmp_path, monkeypatch, tiny_text_enco
 def test_all_invalid_rewards_stop_with_a_clear_error(tmp_path, monkeypatch, tiny_text_encoder):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="every reward of the batch is invalid"):
-        _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1",
+        _fit([f"--model.init_args.generator.text_encoder={tiny_text_encoder}", "--trainer.max_steps=1",
               "--model.init_args.rewards=[{name: test_all_nan}]", "--trainer.limit_val_batches=0"])
 
 
 def test_bad_config_errors(tmp_path, monkeypatch, tiny_text_encoder):
     monkeypatch.chdir(tmp_path)
-    enc = f"--model.init_args.text_encoder={tiny_text_encoder}"
+    enc = f"--model.init_args.generator.text_encoder={tiny_text_encoder}"
     with pytest.raises(Exception, match="no_such_reward"):
         _fit([enc, "--model.init_args.rewards=[{name: no_such_reward}]"])
     empty = tmp_path / "empty.txt"

@@ -16,6 +16,7 @@ import torch
 from genrl.data.ode_pairs import ODEPairs, ODEPairsDataModule, load_ode_pairs, save_ode_pairs
 from genrl.methods.ode_init import ODEInit, chunk_states_to_frames, draw_chunk_states, select_states, shapes_schedule
 from genrl.models.causal import CausalConfig
+from genrl.models.families import GeneratorSpec
 from genrl.models.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,8 @@ def _teacher(tiny_policy, tiny_text_encoder):
     from genrl.models.generator import DiTGenerator
     from genrl.models.text_encoder import TextEncoder
 
-    return DiTGenerator(ModelSpec(pretrained=tiny_policy).build().eval(), TextEncoder.from_pretrained(tiny_text_encoder))
+    return DiTGenerator(ModelSpec(pretrained=tiny_policy).build().eval(),
+                        TextEncoder.from_pretrained(tiny_text_encoder))
 
 
 def _generate(teacher, out, **kw):
@@ -56,8 +58,8 @@ def pairs_file(tmp_path_factory, tiny_policy, tiny_text_encoder) -> Path:
     return _generate(_teacher(tiny_policy, tiny_text_encoder), tmp_path_factory.mktemp("pairs") / "pairs.pt")
 
 
-def _student(tiny_policy, tiny_text_encoder, spec: ModelSpec | None = None, **kw) -> ODEInit:
-    m = ODEInit(transformer=spec or ModelSpec(pretrained=tiny_policy), text_encoder=tiny_text_encoder,
+def _student(tiny_policy, tiny_text_encoder, spec: GeneratorSpec | None = None, **kw) -> ODEInit:
+    m = ODEInit(generator=spec or GeneratorSpec(pretrained=tiny_policy, text_encoder=tiny_text_encoder),
                 latent_shape=list(LATENT), **kw)
     m.configure_model()
     return m
@@ -189,7 +191,8 @@ def test_datamodule_epochs_shuffle_and_resume(pairs_file):
     assert b0["prompts"][1] == pairs.prompts[int(b0["index"][1])]
     again = ODEPairsDataModule(str(pairs_file), batch_size=4, seed=3).make_train_loader(start=4)
     resumed = next(iter(again))
-    assert torch.equal(resumed["position"], batches[4]["position"]) and torch.equal(resumed["index"], batches[4]["index"])
+    assert torch.equal(resumed["position"], batches[4]["position"])
+    assert torch.equal(resumed["index"], batches[4]["index"])
     loader = dm.make_train_loader(track_delivery=True)
     loader.mark_delivered(batches[2])
     assert loader.state_dict() == {"batches_consumed": 3}
@@ -265,7 +268,8 @@ def test_training_steps_lower_the_loss_on_a_fixed_batch(pairs_file, tiny_policy,
     from conftest import TINY_DIT
 
     torch.manual_seed(0)  # a fresh student (zero-initialised output: x0_hat = x), far from the teacher's endpoints
-    student = _student(tiny_policy, tiny_text_encoder, spec=ModelSpec(config=dict(TINY_DIT)))
+    student = _student(tiny_policy, tiny_text_encoder, spec=GeneratorSpec(components={"transformer": dict(TINY_DIT)},
+                                                                          text_encoder=tiny_text_encoder))
     batch = _batch(pairs_file)
     params = {n: p.detach().clone() for n, p in student.generator.transformer.named_parameters()}
     opt = torch.optim.AdamW(student.generator.transformer.parameters(), lr=3e-3)
@@ -284,15 +288,15 @@ def test_training_steps_lower_the_loss_on_a_fixed_batch(pairs_file, tiny_policy,
 
 # ---------------------------------------------------------------------------------------------- CLI
 def _fit(tmp_path, pairs_file, tiny_policy, tiny_text_encoder, *args):
-    from genrl.cli import GenRLCLI
     import genrl.data  # noqa: F401
     import genrl.methods  # noqa: F401
+    from genrl.cli import GenRLCLI
 
     override = {
         "trainer": {"accelerator": "cpu", "val_check_interval": 2, "log_every_n_steps": 1,
                     "enable_progress_bar": False},
         "model": {"init_args": {
-            "transformer": {"pretrained": tiny_policy}, "text_encoder": tiny_text_encoder,
+            "generator": {"pretrained": tiny_policy, "text_encoder": tiny_text_encoder},
             "latent_shape": list(LATENT), "rewards": [{"name": "colorfulness"}],
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.003}}, "warmup_steps": 2}},
         "data": {"init_args": {"path": str(pairs_file), "batch_size": 2, "val_size": 3, "val_batch_size": 3}},
@@ -327,8 +331,8 @@ def test_fit_resume_equals_uninterrupted(tmp_path, monkeypatch, pairs_file, tiny
 def test_wan_causal_student_regresses_a_bidirectional_wan_teachers_pairs(tmp_path):
     """The Wan config's path on tiny random components: teacher "wan", student "wan_causal" ([B, C, T, h, w])."""
     from genrl.models.families import GeneratorSpec, build_generator
-    from genrl.models.families.tiny import TINY
     from genrl.rollout.autoregressive import ChunkSchedule
+    from genrl.testing.families import TINY
 
     size = dict(height=16, width=16, num_frames=13, max_sequence_length=16)  # 4 latent frames = 2 chunks of 2
     teacher = build_generator(GeneratorSpec(family="wan", components=TINY["wan"], **size)).eval()

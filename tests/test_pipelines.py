@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from families_util import grpo_two_steps, save_tiny_pipeline, tiny_pipeline_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,8 +109,8 @@ def test_generate_with_a_wan_pipeline_folder(wan_folder, tmp_path):
 
 
 def test_generate_with_an_image_family_writes_pngs(tmp_path):
-    """Runs once an image family (sd3 / flux / sana) has its tiny components in genrl.models.families.tiny."""
-    from genrl.models.families.tiny import TINY, TINY_SIZE
+    """Runs once an image family (sd3 / flux / sana) has its tiny components in genrl.testing.families."""
+    from genrl.testing.families import TINY, TINY_SIZE
 
     family = next((f for f in ("sd3", "flux", "sana") if f in TINY), None)
     if family is None:
@@ -190,7 +189,7 @@ def test_checkpoint_ema_and_moved_base_model(wan_folder, wan_lora_run, tmp_path)
     lora_keys = [k for k in state["state_dict"] if "lora_B" in k]
     shadow = {k: state["state_dict"][k] + 0.5 for k in lora_keys}
     state["callbacks"] = {"EMA{'decay': 0.999}": {"shadow": shadow, "num_updates": 2}}
-    state["hyper_parameters"]["generator"].pretrained = str(tmp_path / "moved_away")
+    state["hyper_parameters"]["generator"]["pretrained"] = str(tmp_path / "moved_away")  # plain values
     moved = tmp_path / "moved.ckpt"
     torch.save(state, moved)
     with pytest.raises(FileNotFoundError, match=r"moved_away.*do not exist here.*pretrained="):
@@ -214,8 +213,8 @@ def test_generate_with_a_family_checkpoint(wan_lora_run, tmp_path):
 @pytest.fixture
 def dit_lora_ckpt(tiny_policy, tiny_text_encoder, tmp_path):
     """A checkpoint as GRPO saves it for genrl's DiT with a LoRA (adapter weights made non-zero)."""
-    from genrl.methods.grpo import LoraSpec
     from genrl.models.generator import DiTGenerator
+    from genrl.models.lora import LoraSpec
     from genrl.models.spec import ModelSpec
     from genrl.models.text_encoder import TextEncoder
 

@@ -29,7 +29,7 @@ def _params(cli: GenRLCLI) -> dict[str, torch.Tensor]:
 
 
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch, tiny_text_encoder):
-    enc = f"--model.init_args.text_encoder={tiny_text_encoder}"
+    enc = f"--model.init_args.generator.text_encoder={tiny_text_encoder}"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
@@ -50,9 +50,8 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch, tiny_text_encoder):
     # validation ran and wrote sample videos with a manifest; the diffusers export reloads
     videos = list(Path("runs/pretrain_shapes").rglob("*.mp4"))
     assert videos and list(Path("runs/pretrain_shapes").rglob("manifest.jsonl"))
-    from genrl.models import ModelSpec
-
     from genrl.callbacks import find_ema
+    from genrl.models import ModelSpec
 
     ema_full, ema_resumed = find_ema(full.trainer), find_ema(resumed.trainer)
     assert ema_full.num_updates == ema_resumed.num_updates == 4
@@ -66,7 +65,7 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch, tiny_text_encoder):
 
 def test_print_config_is_typed(capsys, tiny_text_encoder):
     with pytest.raises(SystemExit) as exit_info:
-        _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--print_config"])
+        _fit([f"--model.init_args.generator.text_encoder={tiny_text_encoder}", "--print_config"])
     assert exit_info.value.code in (0, None)
     out = capsys.readouterr().out
     assert "class_path: genrl.methods.FlowMatchingPretrain" in out
@@ -76,7 +75,8 @@ def test_print_config_is_typed(capsys, tiny_text_encoder):
 
 def test_bad_config_values_are_rejected(tiny_text_encoder, capsys):
     with pytest.raises(SystemExit):
-        _fit([f"--model.init_args.text_encoder={tiny_text_encoder}", "--model.init_args.loss_weighting=banana"])
+        _fit([f"--model.init_args.generator.text_encoder={tiny_text_encoder}",
+              "--model.init_args.loss_weighting=banana"])
     assert "banana" in capsys.readouterr().err
 
 
@@ -84,9 +84,9 @@ def test_missing_pretrained_folder_is_a_clear_error(tmp_path, monkeypatch, tiny_
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="no model weights at"):
         _fit([
-            f"--model.init_args.text_encoder={tiny_text_encoder}",
-            "--model.init_args.transformer.config={}",
-            f"--model.init_args.transformer.pretrained={tmp_path / 'missing'}",
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}",
+            "--model.init_args.generator.components={}",
+            f"--model.init_args.generator.pretrained={tmp_path / 'missing'}",
         ])
 
 

@@ -20,8 +20,8 @@ POLICY: list[str] = []
 
 @pytest.fixture(autouse=True)
 def _random_tiny_policy(tiny_policy, tiny_text_encoder):
-    POLICY[:] = [f"--model.init_args.transformer.pretrained={tiny_policy}", "--model.init_args.transformer.config={}",
-                 f"--model.init_args.text_encoder={tiny_text_encoder}"]
+    POLICY[:] = [f"--model.init_args.generator.pretrained={tiny_policy}", "--model.init_args.generator.components={}",
+                 f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
 
 
 def _fit(args: list[str], run: bool = True, extra_configs: tuple[str, ...] = ()) -> GenRLCLI:
@@ -70,7 +70,7 @@ def test_ram_trains_resumes_exactly_and_logs_monitors(tmp_path, monkeypatch):
     changed = [k for k in after_full if not torch.equal(before[k], after_full[k])]
     assert len(changed) > len(after_full) // 2, "RAM steps did not change the policy"
     # the old policy followed theta softly: neither the initial weights nor theta
-    old = dict(full.model.old_transformer.named_parameters())
+    old = full.model.old_policy.tensors()
     k = changed[0]
     assert not torch.equal(old[k], before[k]) and not torch.equal(old[k], after_full[k])
     m = full.trainer.logged_metrics
@@ -128,13 +128,31 @@ def test_lora_trains_only_the_adapter(tmp_path, monkeypatch):
     assert all(torch.equal(before[k], after[k]) for k in after if "lora_" not in k)
 
 
-def test_nan_rewards_are_skipped_and_counted(tmp_path, monkeypatch):
+def test_nan_rewards_get_zero_advantage_and_the_same_backward_passes(tmp_path, monkeypatch):
+    """Failed rewards are kept with advantage 0 (never dropped): the same number of loss units, backward passes and
+    optimizer steps as an all-valid batch, so DDP ranks with different validity masks stay in step."""
+    from genrl.methods import RAM
+
+    calls: list[torch.Tensor] = []
+    unit_loss = RAM.unit_loss
+
+    def counting(self, x0, adv, *args, **kwargs):
+        calls.append(adv.detach().clone())
+        return unit_loss(self, x0, adv, *args, **kwargs)
+
+    monkeypatch.setattr(RAM, "unit_loss", counting)
     monkeypatch.chdir(tmp_path)
     cli = _fit(["--trainer.max_steps=1", "--trainer.limit_val_batches=0",
                 "--model.init_args.rewards=[{name: test_ram_half_nan}]"])
     m = cli.trainer.logged_metrics
-    assert float(m["reward/invalid_fraction"]) == 0.5 and float(m["train/skipped_invalid"]) == 4.0
+    assert float(m["reward/invalid_fraction"]) == 0.5 and float(m["train/zero_advantage_invalid"]) == 4.0
     assert math.isfinite(float(m["train/loss"]))
+    half_nan = torch.cat(calls[: len(calls) // cli.model.hparams.num_draws])
+    n_units = len(calls)
+    assert len(half_nan) == 8 and torch.equal(half_nan[1::2], torch.zeros(4))  # every row kept; NaN rows: A = 0
+    calls.clear()
+    _fit(["--trainer.max_steps=1", "--trainer.limit_val_batches=0"])
+    assert len(calls) == n_units and cli.trainer.global_step == 1
     with pytest.raises(RuntimeError, match="every reward of the batch is invalid"):
         _fit(["--trainer.max_steps=1", "--trainer.limit_val_batches=0",
               "--model.init_args.rewards=[{name: test_ram_all_nan}]"])

@@ -1,5 +1,5 @@
-"""CLIP-family rewards (clipscore, pickscore, aesthetic, hpsv2) on tiny random models written by build_tiny and
-loaded through the real ``path=`` loading code (offline; no downloads)."""
+"""CLIP-family rewards (clipscore, pickscore, aesthetic, hpsv2) on tiny random models written by
+genrl.testing.rewards.build_tiny and loaded through the real ``path=`` loading code (offline; no downloads)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from genrl.rewards.clip_rewards import (
 )
 from genrl.rewards.preprocess import clip_preprocess
 from genrl.rewards.registry import build_reward, get_reward_class
+from genrl.testing.rewards import build_tiny
 
 CLASSES = {"clipscore": CLIPScoreReward, "pickscore": PickScoreReward, "aesthetic": AestheticReward,
            "hpsv2": HPSv2Reward}
@@ -47,7 +48,7 @@ def folders(tmp_path_factory):
     def get(name):
         _needs(name)
         if name not in cache:
-            cache[name] = CLASSES[name].build_tiny(tmp_path_factory.mktemp(name), seed=0)
+            cache[name] = build_tiny(name, tmp_path_factory.mktemp(name), seed=0)
         return cache[name]
 
     return get
@@ -119,7 +120,7 @@ def test_missing_folder_or_file_names_the_file(name, folders, tmp_path):
         build_reward(name, path=str(tmp_path / "absent"))
     with pytest.raises(FileNotFoundError, match="no path given"):
         build_reward(name)
-    folder = CLASSES[name].build_tiny(tmp_path / "w")
+    folder = build_tiny(name, tmp_path / "w")
     (folder / MAIN_FILE[name][0]).unlink()
     with pytest.raises(FileNotFoundError, match=re.escape(f"MISSING {MAIN_FILE[name][1]}")):
         build_reward(name, path=folder)
@@ -174,8 +175,8 @@ def test_aesthetic_head_layout_and_vision_only_clip(tmp_path):
         ("layers.7.bias", (1,))]
     from transformers import CLIPModel, CLIPVisionModelWithProjection
 
-    full = AestheticReward.build_tiny(tmp_path / "full", seed=1)
-    vis = AestheticReward.build_tiny(tmp_path / "vis", seed=1, vision_only=True)
+    full = build_tiny(AestheticReward, tmp_path / "full", seed=1)
+    vis = build_tiny(AestheticReward, tmp_path / "vis", seed=1, vision_only=True)
     # put the full model's vision tower + projection into the vision-only folder
     clip = CLIPModel.from_pretrained(full / "clip", local_files_only=True)
     tower = CLIPVisionModelWithProjection.from_pretrained(vis / "clip", local_files_only=True)

@@ -20,17 +20,17 @@ from genrl.rewards.image_reward import (
     MED_CONFIG_FILE,
     TOKENIZER_DIR,
     ImageRewardBLIP,
-    build_tiny,
     convert_state_dict,
     original_key,
 )
+from genrl.testing.rewards import build_tiny_imagereward
 
 PROMPTS = ["a photo of a cat", "a red car in the city at sunset"]
 
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("imagereward"), seed=0)
+    return build_tiny_imagereward(tmp_path_factory.mktemp("imagereward"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_reload_is_identical(tiny_folder, reward, tmp_path):
     x = _pixels(seed=1)
     again = ImageRewardBLIP(path=tiny_folder)
     assert torch.equal(reward(x, PROMPTS)["reward"], again(x, PROMPTS)["reward"])
-    rebuilt = ImageRewardBLIP(path=ImageRewardBLIP.build_tiny(tmp_path / "rebuilt", seed=0))  # seeded
+    rebuilt = ImageRewardBLIP(path=build_tiny_imagereward(tmp_path / "rebuilt", seed=0))  # seeded
     assert torch.equal(reward(x, PROMPTS)["reward"], rebuilt(x, PROMPTS)["reward"])
 
 

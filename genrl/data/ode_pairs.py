@@ -48,6 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from genrl.data.prompts import load_prompts, val_prompt_batches
 from genrl.data.shapes import ShapesWorldConfig, as_world, sample_seed
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
+from genrl.data.video_io import atomic_write
 
 __all__ = [
     "ODE_PAIRS_FORMAT",
@@ -106,7 +107,7 @@ class ODEPairs:
         """Per-sample latent shape (the generator's native layout)."""
         return tuple(int(d) for d in self.latents.shape[2:])
 
-    def validate(self, where: str = "ODE pairs") -> "ODEPairs":
+    def validate(self, where: str = "ODE pairs") -> ODEPairs:
         """Check shapes, dtypes and the sigma layout; returns ``self``.
 
         Raises:
@@ -158,8 +159,6 @@ def save_ode_pairs(path: str | os.PathLike, pairs: ODEPairs) -> Path:
     """
     path = Path(path)
     pairs.validate(str(path))
-    from genrl.data.video_io import atomic_write
-
     atomic_write(path, lambda tmp: torch.save(pairs.to_dict(), tmp))
     return path
 

@@ -54,7 +54,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from genrl.data.shapes import as_world, ShapeSpec, ShapesWorldConfig, caption, combos, heldout_combos, sample_seed
+from genrl.assets import VBENCH_DIMENSIONS, assets_dir
+from genrl.data.shapes import ShapeSpec, ShapesWorldConfig, as_world, caption, combos, heldout_combos, sample_seed
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
 
 __all__ = [
@@ -90,24 +91,6 @@ class PromptRecord:
 
     prompt: str
     metadata: dict[str, Any] = field(default_factory=dict)
-
-
-def assets_dir() -> Path:
-    """The repository's ``assets/`` folder (``Path(genrl.__file__).parents[1] / "assets"``).
-
-    Raises:
-        FileNotFoundError: the folder does not exist (e.g. genrl installed from a wheel, which does not ship
-            ``assets/``); the message says where it looked.
-    """
-    import genrl
-
-    path = Path(genrl.__file__).resolve().parents[1] / "assets"
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"genrl's assets folder is missing: looked for {path} (it exists in a source checkout of genrl, "
-            f"not in an installed wheel); pass the prompt file's path instead of an alias"
-        )
-    return path
 
 
 def _shapes_records(split: str, world: ShapesWorldConfig) -> list[PromptRecord]:
@@ -246,10 +229,8 @@ def load_prompts(
         records = [r for r in _read_file(assets_dir() / "prompts" / BUILTIN_SUITES["vbench"], prompt_key)
                    if dim in (r.metadata.get("dimension") or [])]
         if not records:
-            from genrl.eval.vbench import ALL_DIMENSIONS
-
             raise ValueError(f"no VBench prompts for dimension {dim!r} in {source!r}; dimensions: "
-                             f"{', '.join(ALL_DIMENSIONS)}")
+                             f"{', '.join(VBENCH_DIMENSIONS)}")
     else:
         records = _read_file(Path(source), prompt_key)
     if not records:

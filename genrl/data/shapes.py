@@ -1,12 +1,12 @@
 """The procedural shapes world: short videos of one colored shape that moves, with exact captions.
 
-This is genrl's embedded default world (DESIGN.md section 4). Everything here is a pure function of its
-arguments: no Lightning, no global RNG. A sample is addressed by ``(seed, index)``:
+This is genrl's embedded default world (docs/architecture.md, The shapes world). Everything here is a pure
+function of its arguments: no Lightning, no global RNG. A sample is addressed by ``(seed, index)``:
 
     pixels, caption, spec = sample(config, seed=0, index=17)
 
 draws from a ``torch.Generator`` seeded with ``sample_seed(seed, index)`` (SplitMix64 of the two ints, the
-same hash as ``genrl.rollout.noise.mix_seed(seed, index)``), so sample 17 is bit-identical whatever batch it
+same hash as ``genrl.noise.mix_seed(seed, index)``), so sample 17 is bit-identical whatever batch it
 lands in.
 
 Geometry and units:
@@ -48,6 +48,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from genrl.noise import mix_seed
 
 __all__ = [
     "PALETTE",
@@ -107,7 +109,6 @@ DIRECTION_VECTORS: dict[str, tuple[float, float]] = {
 SPEED_ADVERBS: dict[str, str] = {"slow": "slowly", "medium": "steadily", "fast": "quickly"}
 
 _SUPERSAMPLE = 4
-_MASK64 = (1 << 64) - 1
 
 
 def _known(kind: str, words: list[str], known) -> None:
@@ -222,7 +223,7 @@ class ShapesWorldConfig:
         return sum(self.speeds.values()) / len(self.speeds) if self.speeds else 0.0
 
 
-def as_world(world: "ShapesWorldConfig | dict | None") -> "ShapesWorldConfig":
+def as_world(world: ShapesWorldConfig | dict | None) -> ShapesWorldConfig:
     """A :class:`ShapesWorldConfig` from a config, a dict of its fields (as stored in checkpoint
     hyperparameters) or None (the default world). Raises ValueError / TypeError like the constructor."""
     if isinstance(world, dict):
@@ -566,22 +567,13 @@ def sample_spec(
     return ShapeSpec(c, s, (d,), None if d == "still" else speed)
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def sample_seed(seed: int, index: int) -> int:
     """The 63-bit generator seed of sample ``index`` of stream ``seed``.
 
-    ``h = splitmix64(splitmix64(seed mod 2^64) ^ (index mod 2^64)) mod 2^63`` (equal to
-    ``genrl.rollout.noise.mix_seed(seed, index)``). Negative indices are allowed (validation uses them).
+    ``h = splitmix64(splitmix64(seed mod 2^64) ^ (index mod 2^64)) mod 2^63`` (computed by
+    :func:`genrl.noise.mix_seed`). Negative indices are allowed (validation uses them).
     """
-    h = _splitmix64(0 ^ (int(seed) & _MASK64))
-    h = _splitmix64(h ^ (int(index) & _MASK64))
-    return h & ((1 << 63) - 1)
+    return mix_seed(int(seed), int(index))
 
 
 def sample(

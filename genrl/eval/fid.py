@@ -22,6 +22,8 @@ from torch import Tensor, nn
 
 from genrl.eval.frechet import FeatureStats, extractor_identity, file_sha256, frechet_report
 from genrl.eval.fvd import _as_uint8_video
+from genrl.rewards.clip_rewards import preprocessor_norm, projected_embedding
+from genrl.rewards.preprocess import clip_preprocess
 
 __all__ = ["InceptionExtractor", "ClipImageExtractor", "frame_feature_stats", "fid", "INCEPTION_FILE",
            "FID_WARN_BELOW", "FID_COMPARABLE_MIN"]
@@ -119,8 +121,6 @@ class ClipImageExtractor(nn.Module):
         super().__init__()
         from transformers import CLIPModel, CLIPVisionModelWithProjection
 
-        from genrl.rewards.clip_rewards import _hf_norm
-
         folder = Path(path).expanduser()
         weights = list(folder.glob("model*.safetensors")) + list(folder.glob("pytorch_model*.bin"))
         if not (folder / "config.json").is_file() or not weights:
@@ -142,22 +142,19 @@ class ClipImageExtractor(nn.Module):
                              "('clip' or 'clip_vision_model')")
         self.clip = model.eval().requires_grad_(False)
         self._vision_only = model_type == "clip_vision_model"
-        self.mean, self.std = _hf_norm(folder)
+        self.mean, self.std = preprocessor_norm(folder)
         self.name = f"clip_image:{folder.name}"
         self.sha256 = _folder_sha256(folder, ("config.json", "model*.safetensors", "pytorch_model*.bin"))
         self.batch_size, self.source = int(batch_size), str(folder)
 
     @torch.no_grad()
     def forward(self, images: Tensor) -> Tensor:
-        from genrl.rewards.clip_rewards import _projected
-        from genrl.rewards.preprocess import clip_preprocess
-
         _check_images(images)
         p = next(self.clip.parameters())
         x = clip_preprocess(images.float().div(255.0), size=self.image_size, mean=self.mean, std=self.std)
         x = x.to(device=p.device, dtype=p.dtype)
         out = self.clip(pixel_values=x) if self._vision_only else self.clip.get_image_features(pixel_values=x)
-        return _projected(out).double().cpu()
+        return projected_embedding(out).double().cpu()
 
 
 def _frame_indices(t: int, frames_per_video: int | str) -> list[int]:

@@ -17,16 +17,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from genrl.assets import VBENCH_DIMENSIONS, assets_dir
+
 __all__ = ["ALL_DIMENSIONS", "QUALITY_DIMENSIONS", "SEMANTIC_DIMENSIONS", "NATIVE_DIMENSIONS", "PROXY_DIMENSIONS",
            "NORMALIZATION", "DIM_WEIGHTS", "QUALITY_WEIGHT", "SEMANTIC_WEIGHT", "normalize", "composites",
            "load_vbench_suite", "prompts_for_dimension"]
 
-#: VBench's 16 dimensions, in its order (scripts/constant.py ``TASK_INFO``)
-ALL_DIMENSIONS: tuple[str, ...] = (
-    "subject_consistency", "background_consistency", "temporal_flickering", "motion_smoothness", "dynamic_degree",
-    "aesthetic_quality", "imaging_quality", "object_class", "multiple_objects", "human_action", "color",
-    "spatial_relationship", "scene", "appearance_style", "temporal_style", "overall_consistency",
-)
+#: VBench's 16 dimensions, in its order (scripts/constant.py ``TASK_INFO``); defined with the prompt suite's
+#: ``vbench:<dimension>`` prompt aliases (:data:`genrl.assets.VBENCH_DIMENSIONS`)
+ALL_DIMENSIONS: tuple[str, ...] = VBENCH_DIMENSIONS
 #: the 7 dimensions of the Quality score (``QUALITY_LIST``)
 QUALITY_DIMENSIONS: tuple[str, ...] = (
     "subject_consistency", "background_consistency", "temporal_flickering", "motion_smoothness",
@@ -141,8 +140,6 @@ def load_vbench_suite(path: str | Path | None = None) -> list[dict[str, Any]]:
         ValueError: the file is not VBench's format (names the first bad entry).
     """
     if path is None:
-        from genrl.data.prompts import assets_dir
-
         path = assets_dir() / "prompts" / "vbench_full_info.json"
     p = Path(path).expanduser()
     if not p.is_file():

@@ -1,6 +1,6 @@
 """genrl.flow: pure-function flow-matching library (schedules, parameterisations, losses, steps, guidance).
 
-Conventions (DESIGN.md §2): sigma in [0, 1], 0 = data, 1 = noise; x_sigma = (1 - sigma) x0 + sigma eps;
+Conventions (docs/architecture.md): sigma in [0, 1], 0 = data, 1 = noise; x_sigma = (1 - sigma) x0 + sigma eps;
 velocity v = eps - x0; diffusers timestep = 1000 sigma; CFG pred = uncond + w (cond - uncond).
 Step math in float32 (float64 kept). Latents [B, T, C, H, W] (frame_dim=1) or Wan's [B, C, T, H, W]
 (frame_dim=2); sigma is a float, 0-d, [B] or per-frame [B, T].
@@ -20,37 +20,18 @@ from genrl.flow.dmd import (
     warped_sigmas,
     warped_timesteps,
 )
+from genrl.flow.forward_rl import (
+    advantage_weighted_fm_loss,
+    awm_loss,
+    awm_weight,
+    ram_loss,
+    ram_target,
+    sample_mse,
+    sample_timesteps,
+    velocity_monitors,
+)
 from genrl.flow.guidance import cfg_combine
 from genrl.flow.losses import SIGMA_SQRT_MIN_SIGMA, LossWeighting, flow_matching_loss, loss_weighting
-from genrl.flow.parameterization import (
-    MIN_DENOM,
-    add_noise,
-    eps_from_velocity,
-    velocity_from_eps,
-    velocity_from_x0,
-    velocity_target,
-    x0_from_velocity,
-)
-from genrl.flow.schedules import (
-    NUM_TRAIN_TIMESTEPS,
-    TimestepSampler,
-    shift_sigmas,
-    sigma_schedule,
-    sigmas_to_timesteps,
-    timesteps_to_sigmas,
-)
-from genrl.flow.steps import euler_step
-from genrl.flow.sde import (
-    STEP_KINDS,
-    LogProbReduce,
-    StepKind,
-    StepOutput,
-    diffusion_coefficient,
-    gaussian_log_prob,
-    sde_step,
-    step_log_prob,
-    step_mean_std,
-)
 from genrl.flow.nft import (
     NFT_MIN_NORMALIZER,
     Reduction,
@@ -62,15 +43,14 @@ from genrl.flow.nft import (
     r2_penalty,
     ref_regularizer,
 )
-from genrl.flow.forward_rl import (
-    advantage_weighted_fm_loss,
-    awm_loss,
-    awm_weight,
-    ram_loss,
-    ram_target,
-    sample_mse,
-    sample_timesteps,
-    velocity_monitors,
+from genrl.flow.parameterization import (
+    MIN_DENOM,
+    add_noise,
+    eps_from_velocity,
+    velocity_from_eps,
+    velocity_from_x0,
+    velocity_target,
+    x0_from_velocity,
 )
 from genrl.flow.policy import (
     ZERO_STD,
@@ -85,6 +65,26 @@ from genrl.flow.policy import (
     normalize_rewards,
     velocity_kl,
 )
+from genrl.flow.schedules import (
+    NUM_TRAIN_TIMESTEPS,
+    TimestepSampler,
+    shift_sigmas,
+    sigma_schedule,
+    sigmas_to_timesteps,
+    timesteps_to_sigmas,
+)
+from genrl.flow.sde import (
+    STEP_KINDS,
+    LogProbReduce,
+    StepKind,
+    StepOutput,
+    diffusion_coefficient,
+    gaussian_log_prob,
+    sde_step,
+    step_log_prob,
+    step_mean_std,
+)
+from genrl.flow.steps import euler_step
 
 __all__ = [
     "sample_mse",

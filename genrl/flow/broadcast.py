@@ -18,7 +18,7 @@ __all__ = ["SigmaLike", "compute_dtype", "expand_sigma"]
 def compute_dtype(*values: object) -> torch.dtype:
     """Return the dtype that flow-matching step math runs in for these inputs.
 
-    genrl's convention (DESIGN.md §2, Precision): step math runs in float32, whatever the inputs
+    genrl's convention (docs/architecture.md, Conventions: precision): step math runs in float32, whatever the inputs
     are (bf16, fp16, float32, integer); float64 is kept when any tensor input is float64, so that
     exact-arithmetic tests can run in double precision.
 
@@ -123,7 +123,7 @@ def expand_sigma(
             per-frame sigma is given with ``frame_dim`` pointing at the batch dim or outside ``x``.
         TypeError: ``sigma`` is neither a number nor a tensor.
 
-    Source: genrl convention (DESIGN.md §2); per-frame noise levels as in Diffusion Forcing
+    Source: genrl convention (docs/architecture.md, Conventions); per-frame noise levels as in Diffusion Forcing
     (Chen et al. 2024).
     """
     if dtype is None:

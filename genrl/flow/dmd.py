@@ -5,7 +5,7 @@ denoising list, the shifted-and-clamped timestep sampler of the generator and cr
 normalised DMD gradient and its surrogate loss, the critic (fake score) loss, the CausVid ODE
 regression loss, the SiD generator loss, and the reference repositories' CFG scale convention.
 
-Conventions (DESIGN.md §2): sigma in [0, 1] (0 = data, 1 = noise), x_sigma = (1 - sigma) x0 +
+Conventions (docs/architecture.md, Conventions): sigma in [0, 1] (0 = data, 1 = noise), x_sigma = (1 - sigma) x0 +
 sigma eps, velocity v = eps - x0, timestep = 1000 sigma, shift sigma' = s sigma / (1 + (s - 1) sigma).
 Latents are [B, T, C, H, W] (``frame_dim=1``) or Wan's [B, C, T, H, W] (``frame_dim=2``); a
 per-frame mask is [B, T] with T on ``frame_dim``.
@@ -526,7 +526,7 @@ def reference_scale_to_w(s: float) -> float:
     Raises:
         ValueError: s is not a finite number.
 
-    Source: DESIGN.md §2 (CFG); Ho & Salimans 2022 eq. 6.
+    Source: docs/architecture.md, Conventions (CFG forms); Ho & Salimans 2022 eq. 6.
     """
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
         raise ValueError(f"reference CFG scale must be a finite number, got {s!r}")

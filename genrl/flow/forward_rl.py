@@ -1,45 +1,51 @@
 """Forward-process RL losses: one advantage-weighted flow-matching core for RAM, AWM and DiffusionNFT.
 
 RAM, AWM and DiffusionNFT all train a flow-matching policy on its own clean samples x0 re-noised at a
-fresh (t, eps): x_t = (1 - t) x0 + t eps, with the velocity target u = eps - x0 (Y in research/tmd_ram.md).
+fresh (t, eps): x_t = (1 - t) x0 + t eps, with the velocity target u = eps - x0 (Y in the RAM paper).
 They differ only in how the per-sample squared velocity error is weighted and anchored. This module holds
 the shared core and the three objectives built on it:
 
-* `sample_mse`: THE core, each sample's mean squared error (v - target)^2 over its (masked-in) elements [B].
+* `sample_mse`: THE core, each sample's mean squared error (v - target)^2 over its (masked-in) elements [B]
+  (defined in `genrl.flow.fm_core`, below this module and `genrl.flow.nft`, and re-exported here).
 * `advantage_weighted_fm_loss`: mean_b w_b sample_mse(v, u)_b, advantage-weighted flow matching.
 * `sample_timesteps`: addressed training-time draws of t (p(t) ∝ t^alpha, uniform, logit-normal, a grid).
 * `ram_target` / `ram_loss`: Reinforce Adjoint Matching as released (regression onto v_ref + m A (u - v_old)).
 * `awm_weight` / `awm_loss`: Advantage Weighted Matching (PPO on log p = -w(t, l), l the FM error).
 * `nft_loss` / `advantage_to_r`: DiffusionNFT, defined in `genrl.flow.nft` (which builds on this core) and
   re-exported here so that one import site serves all three objectives.
-* `velocity_monitors`: the failure-mode monitors of research/tmd_ram.md §4.3.
+* `velocity_monitors`: the failure-mode monitors of docs/methods/forward_rl.md (Monitors).
 
 How they relate (tested in tests/test_flow_forward_rl.py): with v_old = sg(v_theta), the gradient of
 `ram_loss` equals m times the gradient of on-policy, unclipped, uniform-weight AWM with its reference
 anchor at beta = 1 / m (RAM = advantage-weighted FM + anchor); DiffusionNFT's velocity-form update at
 theta = theta_old is advantage-weighted FM with weights clip(A, -C, C) = C (2 r - 1).
 
-Conventions (DESIGN.md §2): t = sigma in [0, 1] (0 = data, 1 = noise), velocity v = eps - x0. Velocities
+Conventions (docs/architecture.md): t = sigma in [0, 1] (0 = data, 1 = noise), velocity v = eps - x0. Velocities
 are latents of any shape [B, ...]: [B, T, C, H, W] (``frame_dim=1``) or Wan's [B, C, T, H, W]
 (``frame_dim=2``); an optional per-frame mask is [B, T] with T on ``frame_dim``. Per-sample values
 (advantages, t, losses) are [B]. Math runs in float32, or float64 when an input is float64.
-Spec: research/tmd_ram.md §1.5-1.7, §3.2, §4.2, §4.3.
+Documentation: docs/methods/forward_rl.md.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from genrl.flow.broadcast import _expand, compute_dtype
-from genrl.flow.dmd import _element_mask
+from genrl.flow.fm_core import (
+    _check_nonnegative,
+    _check_per_sample,
+    _check_positive,
+    _check_same_shape,
+    sample_mse,
+)
+from genrl.flow.nft import advantage_to_r, nft_loss
 from genrl.flow.schedules import shift_sigmas
-
-if TYPE_CHECKING:  # re-exported lazily (module __getattr__ below): genrl.flow.nft imports this module
-    from genrl.flow.nft import advantage_to_r, nft_loss
+from genrl.noise import rand_per_sample
 
 __all__ = [
     "AWM_EPS",
@@ -68,92 +74,10 @@ TIMESTEP_DENSITIES: tuple[str, ...] = ("uniform", "linear", "power", "logit_norm
 AWM_EPS = 1e-10
 """The offset eps of AWM's huber / ghuber weightings, (l + eps)^p - eps^p (the reference's value)."""
 
-_LAZY = {"nft_loss", "advantage_to_r"}
-
-
-def __getattr__(name: str):
-    # PEP 562: genrl.flow.nft builds on the core defined here, so its functions are re-exported lazily
-    # (an eager import would be circular whichever module is imported first).
-    if name in _LAZY:
-        from genrl.flow import nft
-
-        return getattr(nft, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | _LAZY)
-
 
 # --------------------------------------------------------------------------------------------
-# validation helpers (shared with genrl.flow.nft)
+# validation (the shared checks live in genrl.flow.fm_core)
 # --------------------------------------------------------------------------------------------
-
-
-def _check_positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
-def _check_nonnegative(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _check_batch_tensor(name: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.ndim < 1 or x.shape[0] < 1:
-        raise ValueError(f"{name} must have a non-empty batch dim, got shape {tuple(x.shape)}")
-
-
-def _check_same_shape(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
-    _check_batch_tensor(ref_name, ref)
-    for name, t in others.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.shape != ref.shape:
-            raise ValueError(
-                f"{ref_name} of shape {tuple(ref.shape)} and {name} of shape {tuple(t.shape)} must match"
-            )
-
-
-def _check_per_sample(name: str, value: torch.Tensor, b: int, hint: str = "") -> torch.Tensor:
-    """Validate a finite per-sample tensor [B] and return it detached."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor [B] = [{b}], got {type(value).__name__}")
-    if value.shape != (b,):
-        raise ValueError(f"{name} must be one value per sample, [B] = [{b}], got shape {tuple(value.shape)}")
-    v = value.detach()
-    bad = ~torch.isfinite(v)
-    if bool(bad.any()):
-        idx = bad.nonzero().flatten().tolist()[:8]
-        raise ValueError(f"{name} holds NaN / inf at sample(s) {idx}{hint}")
-    return v
-
-
-def _per_sample_mean(values: torch.Tensor, m: torch.Tensor | None, counts: torch.Tensor | None) -> torch.Tensor:
-    """Mean of ``values`` over each sample's (masked) elements -> [B]. Masked-out entries must be 0."""
-    b = values.shape[0]
-    if m is None:
-        return values.reshape(b, -1).mean(dim=1)
-    return values.reshape(b, -1).sum(dim=1) / counts
-
-
-def _sample_counts(m: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """Number of masked elements per sample [B]; raises if some sample has none."""
-    if m is None:
-        return None
-    counts = m.reshape(x.shape[0], -1).sum(dim=1)
-    empty = (counts == 0).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(
-            f"mask selects no frame for sample(s) {empty}; every sample needs at least one masked-in frame "
-            "(drop those samples from the batch instead)"
-        )
-    return counts
 
 
 def _check_multiplier(multiplier: float) -> float:
@@ -165,55 +89,6 @@ def _check_multiplier(multiplier: float) -> float:
             f"1000 for PickScore), got {multiplier!r}"
         )
     return float(multiplier)
-
-
-# --------------------------------------------------------------------------------------------
-# the core: per-sample squared velocity error
-# --------------------------------------------------------------------------------------------
-
-
-def sample_mse(
-    v: torch.Tensor,
-    target: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    frame_dim: int = 1,
-) -> torch.Tensor:
-    """Per-sample mean squared error: l_b = mean_{e in sample b} (v_e - target_e)^2, shape [B].
-
-    The core of every forward-process objective here: with target = u = eps - x0 it is the flow-matching
-    error l of AWM (whose log p is -w(t, l)); with target = sg(ram target) it is RAM's loss; with target =
-    v_ref it is the anchor ||v - v_ref||^2 of AWM / DiffusionNFT. The mean runs over all non-batch elements
-    of a sample, or over the elements of its masked-in frames with ``mask``; masked-out entries are
-    selected away before squaring, so they get exactly zero gradient even if they hold NaN / inf.
-
-    Neither argument is detached: the gradient flows into both (callers detach their targets).
-
-    Args:
-        v: a velocity, any shape [B, ...] ([B, T, C, H, W] or Wan's [B, C, T, H, W]), any float dtype.
-        target: same shape.
-        mask: optional per-frame mask [B, T] (bool or 0 / 1), T on ``frame_dim``.
-        frame_dim: the frame dim of the latents (used only with ``mask``).
-
-    Returns:
-        [B] >= 0, float32 (float64 when an input is float64).
-
-    Raises:
-        ValueError: the shapes differ (message names both), an input has no batch dim, the mask does
-            not fit, or a sample's mask selects nothing.
-        TypeError: an input is not a tensor.
-
-    Source: the flow-matching loss of Lipman et al. 2023 / Liu et al. 2023 per sample, as the reference
-    scripts reduce it (mean over non-batch dims: AWM ``compute_log_prob_awm``, RAM ``training_sd3.py``
-    via research/tmd_ram.md §1.5, DiffusionNFT's KL term).
-    """
-    _check_same_shape("v", v, target=target)
-    dt = compute_dtype(v, target)
-    diff = v.to(dt) - target.to(dt)
-    m = _element_mask(mask, v, frame_dim)
-    counts = _sample_counts(m, v)
-    if m is not None:
-        diff = torch.where(m, diff, torch.zeros((), dtype=dt, device=diff.device))
-    return _per_sample_mean(diff.square(), m, counts)
 
 
 def advantage_weighted_fm_loss(
@@ -244,7 +119,7 @@ def advantage_weighted_fm_loss(
         ValueError: shapes differ, ``weights`` is not [B] or holds NaN / inf, or the mask is bad.
 
     Source: advantage-weighted regression (Peng et al. 2019) applied to flow matching as in AWM
-    (Xue et al. 2025, arXiv 2509.25050, the uniform-weight on-policy gradient); research/tmd_ram.md §1.7.
+    (Xue et al. 2025, arXiv 2509.25050, the uniform-weight on-policy gradient); docs/methods/forward_rl.md (AWM).
     """
     _check_same_shape("v", v, u=u)
     w = _check_per_sample("weights", weights, v.shape[0])
@@ -277,7 +152,7 @@ def sample_timesteps(
 ) -> torch.Tensor:
     """Training-time t in [t_min, t_max], one per sample, addressed by (seed, sample index, step).
 
-    Each sample draws one uniform U in [0, 1) from its own generator (`genrl.rollout.noise.rand_per_sample`
+    Each sample draws one uniform U in [0, 1) from its own generator (`genrl.noise.rand_per_sample`
     with (seed, indices[i], step)), so a sample's t does not depend on the batch it is in; use ``step``
     to address the k-th of K fresh (t, eps) draws per endpoint (RAM: K = 8). U is mapped by an inverse CDF:
 
@@ -295,7 +170,7 @@ def sample_timesteps(
 
     Args:
         n: number of draws, must equal len(indices).
-        seed: base seed (mix in the iteration / stream before passing it: DESIGN.md §2).
+        seed: base seed (mix in the iteration / stream first: docs/architecture.md, Seeds and noise addressing).
         indices: the samples' global indices, length n.
         step: draw number (RAM: 0..K-1).
         density: "linear" (default), "power", "uniform", "logit_normal" or "grid".
@@ -314,11 +189,9 @@ def sample_timesteps(
             with no grid value in range or with shift != 1, or a grid given for another density.
 
     Source: RAM (Bergmeister et al. 2026, arXiv 2605.10759) p(t) ∝ t, K = 8 draws per endpoint
-    (research/tmd_ram.md §1.5); logit-normal / shift from Esser et al. 2024; grid timesteps from
-    DiffusionNFT ``train_nft_sd3.py`` and AWM ``train_sd3_awm.py`` (research/tmd_ram.md §1.6-1.7, §3.2).
+    (docs/methods/forward_rl.md, Training-time timesteps); logit-normal / shift from Esser et al. 2024; grid
+    timesteps from DiffusionNFT ``train_nft_sd3.py`` and AWM ``train_sd3_awm.py``.
     """
-    from genrl.rollout.noise import rand_per_sample  # deferred: genrl.rollout imports genrl.flow
-
     if density not in TIMESTEP_DENSITIES:
         raise ValueError(f"unknown timestep density {density!r}; expected one of {TIMESTEP_DENSITIES}")
     idx = indices.detach().cpu().reshape(-1).tolist() if isinstance(indices, torch.Tensor) else list(indices)
@@ -412,7 +285,7 @@ def ram_target(
 
     Source: RAM (Bergmeister, Jegelka, Nüsken, Domingo-Enrich, Pidstrigach 2026, arXiv 2605.10759)
     Eq. 17 as released in ``scripts/training_sd3.py`` (v_old from the lagged EMA, m A for r);
-    research/tmd_ram.md §1.5.
+    docs/methods/forward_rl.md (RAM).
     """
     _check_same_shape("v_ref", v_ref, v_old=v_old, u=u)
     m = _check_multiplier(multiplier)
@@ -443,7 +316,7 @@ def ram_loss(
     * A = 0 and v_theta = v_ref give loss and gradient exactly 0;
     * the gradient is affine in A (multi-reward advantages add);
     * in the Gaussian population limit the fixed point reproduces the exact tilt of a linear reward and
-      under-tilts a concave one, accurate to first order (research/tmd_ram.md §4.3).
+      under-tilts a concave one, accurate to first order (docs/methods/forward_rl.md, Invariants tested).
 
     Args:
         v_theta: current policy velocity at x_t, with graph, [B, ...].
@@ -457,7 +330,7 @@ def ram_loss(
         ValueError: as `ram_target`, plus a bad mask.
 
     Source: RAM (arXiv 2605.10759) Eq. 17, ``scripts/training_sd3.py`` via its ports
-    (research/tmd_ram.md §1.5).
+    (docs/methods/forward_rl.md, RAM).
     """
     _check_same_shape("v_theta", v_theta, v_ref=v_ref, v_old=v_old, u=u)
     target = ram_target(v_ref, v_old, u, advantages, multiplier, frame_dim)
@@ -503,7 +376,7 @@ def awm_weight(
             negative / NaN, t not [B] (or scalar) or outside [0, 1].
 
     Source: AWM (Xue, Ge, Zhang, Li, Ma 2025, arXiv 2509.25050), ``scripts/train_sd3_awm.py``
-    ``compute_log_prob_awm`` weightings; research/tmd_ram.md §1.7.
+    ``compute_log_prob_awm`` weightings; docs/methods/forward_rl.md (AWM).
     """
     if weighting not in AWM_WEIGHTINGS:
         raise ValueError(f"unknown AWM weighting {weighting!r}; expected one of {AWM_WEIGHTINGS}")
@@ -601,7 +474,7 @@ def awm_loss(
             beta_ema > 0 without v_ema), plus `awm_weight`'s errors.
 
     Source: AWM (Xue et al. 2025, arXiv 2509.25050), ``scripts/train_sd3_awm.py`` (loss_type
-    ``exp_first``: one ratio per (t, sample) row) and ``config/dgx_awm.py``; research/tmd_ram.md §1.7.
+    ``exp_first``: one ratio per (t, sample) row) and ``config/dgx_awm.py``; docs/methods/forward_rl.md (AWM).
     """
     _check_same_shape("v_theta", v_theta, u=u)
     b = v_theta.shape[0]
@@ -678,7 +551,7 @@ def velocity_monitors(
     mask: torch.Tensor | None = None,
     frame_dim: int = 1,
 ) -> dict[str, float]:
-    """The failure-mode monitors of forward-process RL (research/tmd_ram.md §4.3), as python floats.
+    """The failure-mode monitors of forward-process RL (docs/methods/forward_rl.md, Monitors), as python floats.
 
     * ``"v_ref_mse"``: mean_b sample_mse(v_theta, v_ref), the drift from the reference;
     * ``"v_old_mse"``: mean_b sample_mse(v_theta, v_old), the lag behind the rollout policy;
@@ -701,7 +574,7 @@ def velocity_monitors(
     Raises:
         ValueError / TypeError: shapes differ or an input is not a tensor; a bad mask.
 
-    Source: research/tmd_ram.md §4.3 (monitors), §1.5 (the lagged-velocity instability).
+    Source: docs/methods/forward_rl.md (Monitors; Known limits: the lagged-velocity instability).
     """
     _check_same_shape("v_theta", v_theta, v_old=v_old, v_ref=v_ref, u=u)
     with torch.no_grad():

@@ -17,7 +17,7 @@ def cfg_combine(
 ) -> torch.Tensor:
     """Classifier-free guidance: ``pred = uncond + w * (cond - uncond)``.
 
-    Standard form (DESIGN.md §2): ``w = 1`` returns the conditional prediction, ``w = 0`` the
+    Standard form (docs/architecture.md, Conventions): ``w = 1`` returns the conditional prediction, ``w = 0`` the
     unconditional one, ``w > 1`` extrapolates away from uncond. Reference code that writes
     ``cond + s * (cond - uncond)`` uses ``s = w - 1``. Evaluated as ``w * cond + (1 - w) * uncond``,
     so ``w = 1`` returns ``cond`` and ``w = 0`` returns ``uncond`` exactly (bit for bit, after the

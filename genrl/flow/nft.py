@@ -12,10 +12,10 @@ whose core -- the per-sample masked mean `sample_mse` and the input checks -- th
 * `nft_loss`: the DiffusionNFT loss over the implicit positive / negative policies.
 * `ref_regularizer`: the squared velocity distance to a frozen reference (anti-forgetting term).
 
-Conventions (DESIGN.md §2): sigma in [0, 1] (0 = data, 1 = noise), x_sigma = (1 - sigma) x0 +
+Conventions (docs/architecture.md, Conventions): sigma in [0, 1] (0 = data, 1 = noise), x_sigma = (1 - sigma) x0 +
 sigma eps, velocity v = eps - x0, so x0 = x_sigma - sigma v. Latents are [B, T, C, H, W]
 (``frame_dim=1``) or Wan's [B, C, T, H, W] (``frame_dim=2``); per-frame values are [B, T] with T on
-``frame_dim``. Spec: research/ar_distill.md §1.6 and §3.4-3.6; research/tmd_ram.md §1.6.
+``frame_dim``. Documentation: docs/methods/distillation.md (AFD) and docs/methods/forward_rl.md (DiffusionNFT).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from genrl.flow.broadcast import SigmaLike, _expand, compute_dtype, expand_sigma
 from genrl.flow.dmd import _element_mask
-from genrl.flow.forward_rl import (
+from genrl.flow.fm_core import (
     _check_positive,
     _check_same_shape,
     _per_sample_mean,
@@ -57,7 +57,7 @@ NFT_MIN_NORMALIZER = 1e-5
 
 
 # --------------------------------------------------------------------------------------------
-# helpers (validation and the per-sample masked mean come from the shared core in forward_rl)
+# helpers (validation and the per-sample masked mean come from the shared core, genrl.flow.fm_core)
 # --------------------------------------------------------------------------------------------
 
 
@@ -103,7 +103,7 @@ def bt_loss(score_pos: torch.Tensor, score_neg: torch.Tensor, reduction: Reducti
         TypeError: an input is not a tensor.
 
     Source: Bradley & Terry 1952; the paired logistic discriminator loss of AFD (arXiv 2605.26105),
-    research/ar_distill.md §1.6 item 2 and §4.1 item 5; relativistic pairing as in Jolicoeur-Martineau
+    docs/methods/distillation.md (AFD, step 2); relativistic pairing as in Jolicoeur-Martineau
     2019 (RpGAN).
     """
     _check_same_shape("score_pos", score_pos, score_neg=score_neg)
@@ -158,7 +158,7 @@ def r1_penalty(scores: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         RuntimeError: (from autograd) ``scores`` was not computed from ``inputs``.
 
     Source: Mescheder, Geiger & Nowozin 2018, "Which Training Methods for GANs do actually Converge?",
-    eq. 9 (R1); research/ar_distill.md §1.6 item 2 (optional R1 / R2 in AFD).
+    eq. 9 (R1); docs/methods/distillation.md (AFD, step 2: optional R1 / R2).
     """
     return _gradient_penalty(scores, inputs, "r1_penalty")
 
@@ -229,7 +229,7 @@ def centered_advantages(
             [B] tensor, ``eps < 0``, ``clip <= 0``, or ``std`` is unknown.
 
     Source: DiffusionNFT (Zheng et al. 2025) advantage normalisation; GRPO (Shao et al. 2024) group
-    baseline; AFD advantage, research/ar_distill.md §1.6 item 3.
+    baseline; AFD advantage, docs/methods/distillation.md (AFD, step 3).
     """
     if not isinstance(d, torch.Tensor):
         raise TypeError(f"d must be a torch.Tensor [B] or [B, T], got {type(d).__name__}")
@@ -277,7 +277,7 @@ def advantage_to_r(advantages: torch.Tensor, clip_c: float = 5.0) -> torch.Tenso
         TypeError: A is not a tensor.
 
     Source: Zheng et al. 2025, DiffusionNFT (``r = clip(A, -C, C) / (2C) + 1/2``, C = 5);
-    research/ar_distill.md §1.6 item 3.
+    docs/methods/distillation.md (AFD, step 3).
     """
     if not isinstance(advantages, torch.Tensor):
         raise TypeError(f"advantages must be a torch.Tensor, got {type(advantages).__name__}")
@@ -315,7 +315,8 @@ def nft_loss(
     per-element residual e(v) = x_t - sigma v - x0 (= sigma (u - v), u = eps - x0 the velocity
     target) the loss is
 
-        L = (C / beta) * mean_b l_b,   l_b = mean_{e in sample b} [ r_e * q_e(v+) / w_b(v+) + (1 - r_e) * q_e(v-) / w_b(v-) ]
+        L = (C / beta) * mean_b l_b,
+        l_b = mean_{e in sample b} [ r_e * q_e(v+) / w_b(v+) + (1 - r_e) * q_e(v-) / w_b(v-) ]
 
     * ``adaptive=True`` (x0 space, the reference): q_e(v) = e(v)^2 and w_b(v) =
       sg(max(mean_{e in b} |e(v)|, ``min_normalizer``)), one normaliser per sample and per policy,
@@ -360,7 +361,7 @@ def nft_loss(
 
     Source: Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process"
     (implicit policies and the r-weighted objective; released ``train_nft_sd3.py``); AFD's update,
-    research/ar_distill.md §1.6 items 4-5; research/tmd_ram.md §1.6.
+    docs/methods/distillation.md (AFD, step 4); docs/methods/forward_rl.md (DiffusionNFT).
     """
     _check_same_shape("v_theta", v_theta, v_old=v_old, x_t=x_t, x0=x0)
     beta = _check_positive("beta", beta)
@@ -451,7 +452,7 @@ def ref_regularizer(
         ValueError: shapes differ, ``mask`` does not fit, or a sample's mask is empty.
 
     Source: DiffusionNFT (Zheng et al. 2025) KL-to-reference term ||v_theta - v_ref||^2;
-    research/ar_distill.md §1.6 item 4 (lambda_ref).
+    docs/methods/distillation.md (AFD, step 4: the reference weight).
     """
     _check_same_shape("v_theta", v_theta, v_ref=v_ref)
     return sample_mse(v_theta, v_ref.detach(), mask, frame_dim).mean()

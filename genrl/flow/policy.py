@@ -85,7 +85,8 @@ def clipped_policy_loss(
             range outside [0, 1) (eps_high: < 0); ``adv_clip_max <= 0``.
 
     Source: Schulman et al. 2017, PPO, eq. 7; Shao et al. 2024, DeepSeekMath GRPO, eq. 3;
-    Liu et al. 2025, Flow-GRPO (GRPO objective; ``train_sd3.py``). Spec: research/grpo.md §1.4, §3.5.
+    Liu et al. 2025, Flow-GRPO (GRPO objective; ``train_sd3.py``).
+    Documentation: docs/methods/grpo.md (Clipped loss and KL).
     """
     eps_low = float(clip_range)
     eps_high = eps_low if clip_range_high is None else float(clip_range_high)
@@ -161,7 +162,8 @@ def gaussian_kl(
     Raises:
         ValueError: shapes differ / std does not fit; any std <= 0 (an ODE step has no density).
 
-    Source: Liu et al. 2025, Flow-GRPO (KL of the SDE step policies; ``train_sd3.py``); research/grpo.md §1.4.
+    Source: Liu et al. 2025, Flow-GRPO (KL of the SDE step policies; ``train_sd3.py``);
+    docs/methods/grpo.md (Clipped loss and KL).
     """
     dt = compute_dtype(mean, mean_ref, std)
     return _reduce_elements(_elementwise_gaussian_kl(mean, mean_ref, std, frame_dim, dt), mean.shape)
@@ -205,7 +207,7 @@ def velocity_kl(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
         ValueError: shapes differ.
 
     Source: flow_grpo#198 / #233 (velocity KL against reward hacking and for test-time CFG);
-    research/grpo.md §1.6, §3.5.
+    docs/methods/grpo.md (Clipped loss and KL).
     """
     if v.shape != v_ref.shape:
         raise ValueError(f"v of shape {tuple(v.shape)} and v_ref of shape {tuple(v_ref.shape)} must match")
@@ -249,7 +251,7 @@ def kl_penalty(
         ValueError: unknown ``kind`` or a needed argument missing (the message names it); errors
             of the dispatched function.
 
-    Source: research/grpo.md §1.4 and §3.5 (kl forms flowgrpo_impl, gaussian_exact, velocity_mse).
+    Source: Flow-GRPO's implementation and the exact Gaussian KL; docs/methods/grpo.md (Clipped loss and KL).
     """
     if kind not in _KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; expected one of {_KL_KINDS}")
@@ -360,7 +362,7 @@ def group_advantages(
 
     Source: Shao et al. 2024, DeepSeekMath GRPO (§4.1, outcome supervision); Liu et al. 2025,
     Flow-GRPO (``flow_grpo/stat_tracking.py``); Xue et al. 2025, DanceGRPO.
-    Spec: research/grpo.md §1.4, §3.4.
+    Documentation: docs/methods/grpo.md (Group advantages).
     """
     if std not in _ADV_STDS:
         raise ValueError(f"unknown advantage std {std!r}; expected one of {_ADV_STDS}")
@@ -412,7 +414,7 @@ def group_stats(
     Raises:
         ValueError: as `group_advantages` (shapes, NaN on a valid sample).
 
-    Source: Flow-GRPO's logged zero-std ratio (research/grpo.md §1.4 diagnostics).
+    Source: Flow-GRPO's logged zero-std ratio (its diagnostics).
     """
     r, inverse, valid, n_groups, _ = _prepare_groups(rewards, group_ids, valid)
     f32 = torch.float32

@@ -219,7 +219,7 @@ class TimestepSampler:
             generator: the source of randomness. Draws are made on the generator's device and
                 then moved to ``device``, so a given generator state yields the same sigmas for
                 any target device. ``None`` uses torch's global RNG (interactive use only; library
-                code always passes a generator, DESIGN.md §2).
+                code always passes a generator: docs/architecture.md, Seeds and noise addressing).
             device: device of the result (default: the generator's device, or CPU).
 
         Returns:

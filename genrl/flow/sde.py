@@ -114,7 +114,7 @@ def diffusion_coefficient(
 
     Source: Liu et al. 2025, Flow-GRPO (ODE-to-SDE conversion, g = a sqrt(sigma / (1 - sigma)));
     ``flow_grpo/diffusers_patch/sd3_sde_with_logprob.py`` (the sigma = 1 substitution);
-    Xue et al. 2025, DanceGRPO (``flux_step``, constant eta). Spec: research/grpo.md §1.2.
+    Xue et al. 2025, DanceGRPO (``flux_step``, constant eta). Documentation: docs/methods/grpo.md (Exploration).
     """
     _check_kind(kind)
     _check_noise_level(noise_level)
@@ -183,7 +183,7 @@ def step_mean_std(
     Returns:
         (mean, std): mean of ``x``'s shape; std of the broadcast shape of the expanded sigmas
         (broadcastable to ``x``), >= 0. Both float32 (float64 if any input is float64), computed
-        in that dtype (DESIGN.md §2). Autograd flows from ``v`` (and ``x``) into ``mean``.
+        in that dtype (docs/architecture.md, Conventions). Autograd flows from ``v`` (and ``x``) into ``mean``.
 
     Raises:
         ValueError: unknown ``kind``; negative ``noise_level``; ``x`` / ``v`` shapes differ; a sigma
@@ -192,7 +192,7 @@ def step_mean_std(
 
     Source: Liu et al. 2025, Flow-GRPO (Euler-Maruyama of the marginal-preserving SDE);
     Xue et al. 2025, DanceGRPO (``flux_step``); Song et al. 2021, score SDE (reverse-time SDE).
-    Spec: research/grpo.md §1.2.
+    Documentation: docs/methods/grpo.md (Exploration).
     """
     _check_kind(kind)
     _check_noise_level(noise_level)
@@ -230,7 +230,7 @@ def gaussian_log_prob(
     Elementwise l_j = -(sample_j - mean_j)^2 / (2 std_j^2) - log std_j - 1/2 log(2 pi), then
 
     * ``reduce="mean"`` (default): mean over the D latent elements. This is the reference
-      convention (Flow-GRPO, DanceGRPO, BranchGRPO; DESIGN.md §2) and NOT the log-density: the
+      convention (Flow-GRPO, DanceGRPO, BranchGRPO; docs/architecture.md, Conventions) and NOT the log-density: the
       ratio exp(l_new - l_old) is the D-th root of the true density ratio, which is why the
       published clip ranges are tiny (1e-4 .. 1e-3, 1e-5 for Flow-GRPO-Fast). Keep it so that
       reference hyperparameters carry over.
@@ -256,7 +256,7 @@ def gaussian_log_prob(
             kernel or noise_level 0, has no density and cannot be scored).
 
     Source: Liu et al. 2025, Flow-GRPO (Gaussian policy of the SDE step); reduction as in
-    the reference code (research/grpo.md §1.3).
+    the reference code.
     """
     if reduce not in _REDUCES:
         raise ValueError(f"unknown reduce {reduce!r}; expected one of {_REDUCES}")
@@ -301,7 +301,7 @@ def sde_step(
     """One sampler step x -> x' with the step kernel ``kind``: sample = mean + std_scale * std * noise.
 
     The noise is drawn by the caller (from generators addressable by (seed, sample, step),
-    DESIGN.md §2), so the step is a pure function. ``log_prob`` is
+    docs/architecture.md, Seeds and noise addressing), so the step is a pure function. ``log_prob`` is
     `gaussian_log_prob` (sample.detach(), mean, std, reduce); `step_log_prob` recomputes it from
     the recorded (x, sample) with the same code, so with unchanged v the two agree bit for bit.
     Store ``sample`` as returned (float32): recasting it (e.g. to bf16) breaks the exact ratio 1.
@@ -332,7 +332,7 @@ def sde_step(
             step; a zero std somewhere in a stochastic step (`gaussian_log_prob`); ``std_scale <= 0``.
 
     Source: Liu et al. 2025, Flow-GRPO (SDE sampling step); Xue et al. 2025, DanceGRPO (``flux_step``).
-    Spec: research/grpo.md §1.2-1.3, §3.1.
+    Documentation: docs/methods/grpo.md (Exploration).
     """
     if not std_scale > 0:
         raise ValueError(f"std_scale must be > 0, got {std_scale}")
@@ -387,7 +387,7 @@ def step_log_prob(
         ValueError: as `step_mean_std`; ``sample`` shape differs from ``x``; a deterministic step
             ("ode" or noise_level 0), which has no density (`gaussian_log_prob`).
 
-    Source: Liu et al. 2025, Flow-GRPO (importance ratio of the step policies). Spec: research/grpo.md §1.3, §3.1.
+    Source: Liu et al. 2025, Flow-GRPO (importance ratio of the step policies). Documentation: docs/methods/grpo.md.
     """
     if sample.shape != x.shape:
         raise ValueError(f"sample of shape {tuple(sample.shape)} must match x of shape {tuple(x.shape)}")

@@ -32,7 +32,7 @@ def euler_step(
 
     Returns:
         x at ``sigma_next``, shape of ``x``, float32 (float64 if any input is float64), computed
-        in that dtype (DESIGN.md §2: sampler step math in float32).
+        in that dtype (docs/architecture.md, Conventions: sampler step math in float32).
 
     Raises:
         ValueError: ``x`` and ``v`` shapes differ, or a sigma does not fit ``x`` (`expand_sigma`).

@@ -1,4 +1,4 @@
-"""Tree credit assignment for BranchGRPO (Li et al. 2025; research/grpo.md 1.8.3-1.8.4): reward fusion from
+"""Tree credit assignment for BranchGRPO (Li et al. 2025; docs/methods/grpo.md, BranchGRPO): reward fusion from
 leaves to internal nodes, depth-wise advantages, and edge pruning. Pure functions over the tree structure
 of a :class:`~genrl.rollout.tree.TreeRollout` (``parent[k]``, ``tree[k]``, ``log_probs[k]`` per step k).
 
@@ -26,7 +26,7 @@ def fuse_rewards(
 
     ``"mean"`` (BranchGRPO default): R(n) = mean reward of the valid leaves below n. ``"path_prob"``: recursively
     R(n) = sum_c softmax_c(alpha l_c) R(c) over n's valid children c, with l_c the child edge's log-prob (mean over
-    latent elements, so the weights are near uniform for large latents; research/grpo.md 1.8.3).
+    latent elements, so the weights are near uniform for large latents).
 
     Args:
         parent: ``parent[k]`` int64 [N_k] (k >= 1), the parent index of each node in step k - 1.
@@ -80,7 +80,7 @@ def depthwise_advantages(
 ) -> list[torch.Tensor]:
     """BranchGRPO's depth-wise advantage: within each tree, the nodes of one depth are a group,
     A(n) = (R(n) - mean_d R) / (std_d R + eps) with the unbiased std (ddof 1); 0 for a depth with one node, a
-    constant depth (std < 1e-6) or an invalid node (research/grpo.md 1.8.3).
+    constant depth (std < 1e-6) or an invalid node (docs/methods/grpo.md, Reward fusion and depth-wise advantages).
 
     Returns:
         per step k, float32 [N_k] advantages (the edge into a node at step k gets its node's advantage).
@@ -96,7 +96,7 @@ def prune_edges(
     depths: list[int] | None = None, width_ratio: float = 0.0, width_mode: Literal["chain", "extremes"] = "chain",
     chain_id: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Which edges the gradient step keeps (rollouts, rewards and advantages are untouched; research/grpo.md 1.8.4).
+    """Which edges the gradient step keeps (rollouts, rewards and advantages are untouched).
 
     * Depth pruning: drop edges whose child depth (step + 1) is in ``depths``.
     * Width pruning (``width_ratio`` > 0), on the "last-layer" edges only (step > the last split step):

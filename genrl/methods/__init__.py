@@ -3,9 +3,12 @@
 from genrl.methods.afd import AFD
 from genrl.methods.branch_grpo import BranchGRPO
 from genrl.methods.dmd import DMD
-from genrl.methods.grpo import GRPO, LoraSpec
+from genrl.methods.grpo import GRPO
 from genrl.methods.ode_init import ODEInit
 from genrl.methods.pretrain import FlowMatchingPretrain
 from genrl.methods.ram import RAM
+from genrl.methods.rwr import RewardWeightedRegression
+from genrl.models.lora import LoraSpec  # re-exported: configs and user code name genrl.methods.LoraSpec
 
-__all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit", "RAM"]
+__all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit", "RAM",
+           "RewardWeightedRegression"]

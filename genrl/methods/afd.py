@@ -2,7 +2,8 @@
 
 No teacher scores, latents, trajectories or step alignment: only the teacher's videos for the training prompts
 (an mp4 folder, :class:`genrl.data.TeacherVideoDataModule`, or any black box returning videos). The paper
-(arXiv 2605.26105) has no public code; this follows the formulation of ar_distill.md section 1.6, derived from
+(arXiv 2605.26105) has no public code; this follows the formulation of docs/methods/distillation.md ("AFD"), derived
+from
 its abstract and DiffusionNFT (Zheng et al. 2025). Each iteration:
 
 1. roll out the current student K times per prompt with the shared chunk-wise sampler (no gradient);
@@ -26,7 +27,6 @@ index), so a resumed run repeats an uninterrupted one.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Literal
 
 import torch
@@ -34,17 +34,32 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import add_noise
-from genrl.flow.nft import (advantage_to_r, bt_loss, centered_advantages, nft_loss, r1_penalty, r2_penalty,
-                             ref_regularizer)
-from genrl.methods.common import (build_student, ensure_reward_manager, frame_shape_of, log_validation_rewards,
-                                  reference_weights, restore_reward_state, save_reward_state, stash_reward_state,
-                                  swapped_transformer)
-from genrl.methods.grpo import LoraSpec
+from genrl.flow.nft import (
+    advantage_to_r,
+    bt_loss,
+    centered_advantages,
+    nft_loss,
+    r1_penalty,
+    r2_penalty,
+    ref_regularizer,
+)
+from genrl.methods.common import (
+    Scorer,
+    build_student,
+    frame_shape_of,
+    gather_batch,
+    log_validation_rewards,
+    policy_spec,
+    rank_slice,
+    trainer_of,
+)
+from genrl.models.discriminator import VideoDiscriminator
 from genrl.models.families import GeneratorSpec
+from genrl.models.lora import LoraSpec
+from genrl.models.roles import Roles
 from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM
+from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
 from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, teacher_forced_velocity
-from genrl.rollout.noise import mix_seed, rand_per_sample, randn_per_sample
 
 __all__ = ["AFD"]
 
@@ -59,8 +74,8 @@ class AFD(LightningModule):
     [0, 1]}`` (:class:`genrl.data.TeacherVideoDataModule`); validation batches are prompt batches.
 
     Args:
-        transformer / generator / text_encoder / max_text_length / lora: the student (genrl's DiT, or a causal
-            family such as ``wan_causal``), as in :class:`~genrl.methods.DMD`.
+        generator / lora: the student (genrl's DiT, ``family: dit``, default ``pretrained: assets/shapes-dit``; or a
+            causal family such as ``wan_causal``), as in :class:`~genrl.methods.DMD`.
         schedule: the student's chunk layout and few-step sampler (rollouts and validation).
         num_frames: latent frames per rollout; frame_shape: latent shape of one frame (default: derived).
         discriminator: the discriminator network (:class:`ModelSpec`, default a small
@@ -70,7 +85,7 @@ class AFD(LightningModule):
         r1_weight / r2_weight: gamma / 2 of the R1 (teacher) / R2 (student) gradient penalties (0 = off).
         disc_noise_max: instance noise for the discriminator: each (teacher, student) pair is noised to a shared
             sigma ~ U[0, disc_noise_max] (fresh noise per clip) before scoring, and D is told the sigma; 0 = clean
-            inputs only (the formulation of ar_distill.md section 1.6).
+            inputs only (docs/methods/distillation.md, "AFD").
         clip_c: advantage clip C (DiffusionNFT 5).
         nft_beta: beta of the implicit policies (1.0 or 0.1).
         adaptive: DiffusionNFT's x0-space adaptive weighting (else the velocity form).
@@ -88,9 +103,6 @@ class AFD(LightningModule):
 
     def __init__(
         self,
-        transformer: ModelSpec | None = None,
-        text_encoder: str = MINILM,
-        max_text_length: int = 32,
         generator: GeneratorSpec | None = None,
         lora: LoraSpec | None = None,
         schedule: ChunkSchedule | None = None,
@@ -119,18 +131,16 @@ class AFD(LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if generator is not None and transformer is not None:
-            raise ValueError("give either transformer (genrl's DiT student) or generator (a diffusers family), not both")
         for name, value in (("samples_per_prompt", samples_per_prompt), ("discriminator_steps", discriminator_steps),
                             ("nft_steps", nft_steps)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= old_decay_max < 1 or old_decay_ramp < 0:
-            raise ValueError(f"need 0 <= old_decay_max < 1 and old_decay_ramp >= 0, got {old_decay_max}, {old_decay_ramp}")
+            raise ValueError(f"need 0 <= old_decay_max < 1 and old_decay_ramp >= 0, got {old_decay_max}, "
+                             f"{old_decay_ramp}")
         self.save_hyperparameters(ignore=["student_optimizer", "discriminator_optimizer"])
         self.automatic_optimization = False
-        self.generator_spec = generator
-        self.transformer_spec = transformer or ModelSpec(pretrained="assets/shapes-dit")
+        self.generator_spec = policy_spec(self, generator)
         self.schedule = schedule or ChunkSchedule(timesteps=[1000.0, 750.0, 500.0, 250.0], shift=1.0)
         self.schedule.causal.num_chunks(num_frames)
         self.frame_shape = tuple(frame_shape) if frame_shape else None
@@ -138,54 +148,40 @@ class AFD(LightningModule):
         self.student_factory, self.disc_factory = student_optimizer, discriminator_optimizer
         self.generator = None
         self.discriminator = None
-        self.old_transformer = None
+        self.old_policy = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
-        self.rewards = None
+        self.scorer = Scorer(rewards if rewards is not None else [{"name": "shapes"}], reward_combine)
+        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        gen = build_student(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
-                           self.hparams.max_text_length, self.hparams.lora)
+        gen = build_student(self.generator_spec, self.hparams.lora)
         gen.causal = self.schedule.causal
-        self.generator = gen
+        self.roles.trainable("generator", gen)
         fd = getattr(gen, "frame_dim", 1)
         if self.frame_shape is None:
             self.frame_shape = frame_shape_of(gen)
         if self.discriminator_spec is not None:
             disc = self.discriminator_spec.build()
         else:
-            from genrl.models.discriminator import VideoDiscriminator
-
             text_dim = getattr(getattr(gen, "text_encoder", None), "hidden_size", None) or 384
             patch = (2, 2, 2) if fd == 1 else (1, 2, 2)
             disc = VideoDiscriminator(in_channels=self.frame_shape[0], patch_size=patch, text_dim=text_dim,
                                       frame_dim=fd)
-        self.discriminator = disc.train()
-        # theta_old: a soft copy of the trained weights (checkpointed: exact resume); the reference is the initial
+        self.roles.trainable("discriminator", disc.train())
+        # theta_old: a soft copy of the trained tensors (checkpointed: exact resume); the reference is the initial
         # student (rebuilt from the spec, or the adapter-disabled model with LoRA): never checkpointed
-        self.old_transformer = copy.deepcopy(gen.transformer).requires_grad_(False).eval()
-        reference = None
-        if self.hparams.ref_weight > 0 and self.hparams.lora is None:
-            reference = copy.deepcopy(gen.transformer).requires_grad_(False).eval()
-        object.__setattr__(self, "_reference", reference)
-
-    def setup(self, stage: str) -> None:
-        self.configure_model()
-        ensure_reward_manager(self)
+        self.roles.lagged("old_policy", gen.transformer)
+        if self.hparams.ref_weight > 0:
+            self.roles.reference_copy(gen)
+        self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
         student = [p for p in self.generator.transformer.parameters() if p.requires_grad]
         disc = [p for p in self.discriminator.parameters() if p.requires_grad]
         return [self.student_factory(student), self.disc_factory(disc)]
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        save_reward_state(self, checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        stash_reward_state(self, checkpoint)
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -243,12 +239,13 @@ class AFD(LightningModule):
         return loss, accuracy.detach()
 
     def advantages(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s):
-        """d = D(student) - D(paired teacher); batch-centred advantages A and r (no gradient)."""
+        """d = D(student) - D(paired teacher); advantages A centred and normalised over the batch gathered from every
+        rank (this rank's slice), and r (no gradient)."""
         with torch.no_grad():
             d = self.scores(student, cond_s) - self.scores(teacher, cond_t).repeat_interleave(
                 self.hparams.samples_per_prompt)
-        adv = centered_advantages(d, clip=self.hparams.clip_c)
-        return d, adv, advantage_to_r(adv, self.hparams.clip_c)
+        adv = rank_slice(self, centered_advantages(gather_batch(self, d), clip=self.hparams.clip_c), len(d))
+        return d, adv.to(d.device), advantage_to_r(adv, self.hparams.clip_c).to(d.device)
 
     def _sigma(self, indices: torch.Tensor, it: int, step: int, num_frames: int) -> torch.Tensor:
         """sigma [B, T] constant inside each chunk (or per video): one of the student's step sigmas, or uniform in
@@ -277,13 +274,13 @@ class AFD(LightningModule):
         causal = self.schedule.causal
         gen = self.generator
         v = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
-        with torch.no_grad(), swapped_transformer(gen, self.old_transformer):
+        with torch.no_grad(), self.roles.swap(gen, "old_policy"):
             v_old = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
         loss = nft_loss(v, v_old, x_t, x0, sigma, r.to(v.device), beta=self.hparams.nft_beta,
                         clip_c=self.hparams.clip_c, adaptive=self.hparams.adaptive, frame_dim=fd)
         stats = {"nft_loss": loss.detach()}
         if self.hparams.ref_weight > 0:
-            with torch.no_grad(), reference_weights(gen, self._reference, self.hparams.lora):
+            with torch.no_grad(), self.roles.reference(gen):
                 v_ref = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
             reg = ref_regularizer(v, v_ref, frame_dim=fd)
             loss = loss + self.hparams.ref_weight * reg
@@ -294,13 +291,11 @@ class AFD(LightningModule):
     def update_old_policy(self) -> float:
         """theta_old <- eta theta_old + (1 - eta) theta, eta = min(ramp * iteration, max); returns eta."""
         eta = min(self.hparams.old_decay_ramp * int(self.iteration), self.hparams.old_decay_max)
-        for p_old, p in zip(self.old_transformer.parameters(), self.generator.transformer.parameters()):
-            p_old.lerp_(p.detach().to(p_old.dtype), 1.0 - eta)
+        self.roles.update_lagged("old_policy", eta)
         return eta
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        restore_reward_state(self)
         if "teacher_pixels" not in batch:
             raise ValueError("AFD batches need 'teacher_pixels' (use genrl.data.TeacherVideoDataModule, or a "
                              "datamodule that attaches teacher clips of the student's format)")
@@ -366,7 +361,7 @@ class AFD(LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])
         videos = self.generate(prompts, batch["index"].cpu())
-        log_validation_rewards(self, videos, prompts)
+        log_validation_rewards(self, self.scorer, videos, prompts)
         if "teacher_pixels" in batch:  # held-out teacher clips: how well D still separates them
             cond = self.generator.encode_prompts(prompts)
             acc = (self.scores(self.teacher_latents(batch["teacher_pixels"]), cond)

@@ -15,7 +15,6 @@ so ``trainer.max_steps`` counts optimizer steps.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import torch
@@ -24,15 +23,14 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss
 from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
-from genrl.methods.common import (build_policy, ensure_reward_manager, log_validation_rewards, policy_optimizer,
-                                  restore_reward_state, save_reward_state, stash_reward_state)
-from genrl.methods.grpo import LoraSpec
+from genrl.methods.common import Scorer, build_policy, log_validation_rewards, policy_optimizer, policy_spec, trainer_of
+from genrl.methods.phases import collect_tree, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
-from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM
-from genrl.rollout.noise import mix_seed
-from genrl.rollout.sampler import RolloutConfig, _encode, rollout
-from genrl.rollout.tree import TreeConfig, edge_log_prob, tree_rollout
+from genrl.models.lora import LoraSpec
+from genrl.models.roles import Roles
+from genrl.noise import mix_seed
+from genrl.rollout.sampler import RolloutConfig, encode_cfg, rollout
+from genrl.rollout.tree import TreeConfig, edge_log_prob
 
 __all__ = ["BranchGRPO"]
 
@@ -44,8 +42,7 @@ class BranchGRPO(LightningModule):
     group): ``{"prompts": list[str] (P), "index": int64 [P]}``; validation batches are sampled with the ODE.
 
     Args:
-        transformer / text_encoder / max_text_length / generator / latent_shape / lora: the policy, as in
-            :class:`genrl.methods.GRPO`.
+        generator / latent_shape / lora: the policy, as in :class:`genrl.methods.GRPO`.
         rollout: the step kernel and schedule (BranchGRPO: 20 steps, dance_grpo, eta 0.3).
         tree: the :class:`TreeConfig` (split steps, branch factor, split noise scale, Mix, memory budget).
         reward_on: ``"x0"`` (the last step's clean-sample prediction, the reference) or ``"final"``.
@@ -63,9 +60,6 @@ class BranchGRPO(LightningModule):
 
     def __init__(
         self,
-        transformer: ModelSpec | None = None,
-        text_encoder: str = MINILM,
-        max_text_length: int = 32,
         generator: GeneratorSpec | None = None,
         latent_shape: list[int] | None = None,
         rollout: RolloutConfig | None = None,
@@ -90,16 +84,13 @@ class BranchGRPO(LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if generator is not None and transformer is not None:
-            raise ValueError("give either transformer (genrl's DiT) or generator (a diffusers family), not both")
         if edges_per_step is not None and edges_per_step < 1:
             raise ValueError(f"edges_per_step must be >= 1 or null, got {edges_per_step}")
         if reward_on not in ("x0", "final"):
             raise ValueError(f"reward_on must be 'x0' or 'final', got {reward_on!r}")
         self.save_hyperparameters(ignore=["optimizer"])
         self.automatic_optimization = False
-        self.transformer_spec = transformer or ModelSpec()
-        self.generator_spec = generator
+        self.generator_spec = policy_spec(self, generator)
         self.rollout_config = rollout or RolloutConfig(num_steps=20, kernel="dance_grpo", noise_level=0.3,
                                                        skip_last_step=False)
         self.tree_config = tree or TreeConfig()
@@ -111,31 +102,21 @@ class BranchGRPO(LightningModule):
         self.optimizer_factory = optimizer
         self.generator = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
-        self.rewards = None
+        self.scorer = Scorer(rewards if rewards is not None else [{"name": "shapes"}], reward_combine)
+        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction (as GRPO)
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        generator = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
-                                 self.hparams.max_text_length, self.hparams.lora)
+        generator = build_policy(self.generator_spec, self.hparams.lora)
         if self.latent_shape is None:
             self.latent_shape = tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
-        self.generator = generator
-
-    def setup(self, stage: str) -> None:
-        self.configure_model()
-        ensure_reward_manager(self)
+        self.roles.trainable("generator", generator)
+        self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
         return policy_optimizer(self.generator, self.optimizer_factory)
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        save_reward_state(self, checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        stash_reward_state(self, checkpoint)
 
     # ------------------------------------------------------------------ the pieces
     def tree_advantages(self, ro, leaf_rewards: torch.Tensor, leaf_valid: torch.Tensor):
@@ -151,66 +132,50 @@ class BranchGRPO(LightningModule):
         return edges, adv, keep
 
     # ------------------------------------------------------------------ training
+    def edge_loss(self, ro, edges, adv, sel: torch.Tensor, k: int, cond_t, uncond_t):
+        """Clipped surrogate (per edge, [len(sel)]) on the kept edges ``sel`` of step ``k``, the edge log-prob
+        recomputed with the rollout's kernel (ratio exactly 1 on the first update)."""
+        child = edges["child"][sel]
+        rows = ro.tree[k + 1][child]
+        lp, _ = edge_log_prob(self.generator, ro, k, child, cond_t.select(rows),
+                              uncond_t.select(rows) if uncond_t is not None else None)
+        h = self.hparams
+        return clipped_policy_loss(lp, ro.log_probs[k + 1][child].to(lp.device), adv[sel].to(lp.device),
+                                   clip_range=h.clip_range, clip_range_high=h.clip_range_high,
+                                   adv_clip_max=h.adv_clip_max)
+
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        restore_reward_state(self)
         prompts, index = list(batch["prompts"]), batch["index"].cpu()
         gen, cfg, it, seed = self.generator, self.rollout_config, int(self.iteration), self.hparams.seed
-
-        gen.eval()
-        ro = tree_rollout(gen, prompts, self.latent_shape, seed, index, cfg, self.tree_config)
-        leaves = ro.x0 if self.hparams.reward_on == "x0" else ro.leaves
-        leaf_prompts = [prompts[int(t)] for t in ro.tree[-1]]
-        with torch.no_grad():
-            result = self.rewards(gen.decode(leaves.to(gen.device)).float().cpu(), leaf_prompts)
-        gen.train()
-        bs = len(leaf_prompts)
-        for key, value in result.metrics().items():
-            if key not in ("total", "invalid_fraction"):
-                self.log(f"reward/{key}", float(value), batch_size=bs)
-        valid = result.valid
-        self.log("reward/total", float(result.total[valid].mean()) if valid.any() else math.nan, prog_bar=True,
-                 batch_size=bs)
-        if not valid.any():
-            raise RuntimeError(f"iteration {it}: every leaf reward is invalid (NaN); the reward model is failing")
-
-        edges, adv, keep = self.tree_advantages(ro, torch.nan_to_num(result.total), valid)
+        leaves = collect_tree(gen, prompts, self.latent_shape, seed, index, cfg, self.tree_config,
+                              self.hparams.reward_on)
+        scores = score(self, self.scorer, leaves, iteration=it)
+        ro, result, bs = leaves.samples, scores.result, len(leaves.prompts)
+        edges, adv, keep = self.tree_advantages(ro, torch.nan_to_num(result.total), result.valid)
         self.log("tree/edges", float(keep.numel()), batch_size=bs)
         self.log("tree/edges_trained", float(keep.sum()), batch_size=bs)
         self.log("tree/denoiser_evals", float(ro.denoiser_evals), batch_size=bs)
 
-        # policy update on the kept edges, grouped by step (same-step edges share a network call)
-        cond_t, uncond_t = _encode(gen, prompts, cfg)
+        # the kept edges in a seeded order, grouped by step inside each optimizer step (one network call per step)
+        cond_t, uncond_t = encode_cfg(gen, prompts, cfg)
         kept = torch.nonzero(keep).flatten()
         order = kept[torch.randperm(len(kept), generator=torch.Generator().manual_seed(mix_seed(seed, it, 13)))]
         per_step = self.hparams.edges_per_step or len(order)
-        opt = self.optimizers()
-        stats_sum: dict[str, float] = {}
-        count = 0
-        for start in range(0, len(order), per_step):
-            chunk = order[start : start + per_step]
-            opt.zero_grad()
-            for k in torch.unique(edges["step"][chunk]).tolist():
-                sel = chunk[edges["step"][chunk] == k]
-                child = edges["child"][sel]
-                rows = ro.tree[k + 1][child]
-                cond = cond_t.select(rows)
-                uncond = uncond_t.select(rows) if uncond_t is not None else None
-                lp, _ = edge_log_prob(gen, ro, k, child, cond, uncond)
-                loss_vec, stats = clipped_policy_loss(
-                    lp, ro.log_probs[k + 1][child].to(lp.device), adv[sel].to(lp.device),
-                    clip_range=self.hparams.clip_range, clip_range_high=self.hparams.clip_range_high,
-                    adv_clip_max=self.hparams.adv_clip_max,
-                )
-                self.manual_backward(loss_vec.sum() / len(chunk))
-                for key, value in stats.items():
-                    stats_sum[key] = stats_sum.get(key, 0.0) + float(value) * len(sel)
-                stats_sum["loss"] = stats_sum.get("loss", 0.0) + float(loss_vec.detach().sum())
-                count += len(sel)
-            if self.hparams.max_grad_norm > 0:
-                self.clip_gradients(opt, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
-            opt.step()
-        for key, value in stats_sum.items():
-            self.log(f"train/{key}", value / max(count, 1), batch_size=bs)
+
+        def unit(sel: torch.Tensor, k: int, n_chunk: int):
+            loss_vec, stats = self.edge_loss(ro, edges, adv, sel, k, cond_t, uncond_t)
+            sums = {key: float(value) * len(sel) for key, value in stats.items()}
+            sums["loss"] = sums.get("loss", 0.0) + float(loss_vec.detach().sum())
+            return loss_vec.sum() / n_chunk, sums, len(sel)
+
+        def step_units(chunk: torch.Tensor):
+            steps = torch.unique(edges["step"][chunk]).tolist()
+            return [lambda k=k: unit(chunk[edges["step"][chunk] == k], k, len(chunk)) for k in steps]
+
+        plan = (step_units(order[s : s + per_step]) for s in range(0, len(order), per_step))
+        stats = optimizer_steps(self, self.optimizers(), plan, self.hparams.max_grad_norm)
+        for key, value in stats.items():
+            self.log(f"train/{key}", value, batch_size=bs)
         self.iteration += 1
         self.log("train/iteration", float(self.iteration), batch_size=bs)
 
@@ -220,5 +185,5 @@ class BranchGRPO(LightningModule):
         traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
                        self.eval_config, record=False)
         videos = self.generator.decode(traj.final)
-        log_validation_rewards(self, videos, prompts)
+        log_validation_rewards(self, self.scorer, videos, prompts)
         return {"videos": videos, "prompts": prompts}

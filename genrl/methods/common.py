@@ -1,40 +1,45 @@
-"""Construction shared by the RL methods (composition: plain functions, no shared base class)."""
+"""Pieces every method composes (plain functions and small modules; no base class): the policy built from its spec,
+the :class:`Scorer` (the reward manager as a child whose checkpointed state is the manager's running statistics),
+the rank view of a batch (gather, this rank's slice), optimizers over trainable roles, validation logging."""
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any
 
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from genrl.models.families import GeneratorSpec, build_generator
+from genrl.models.lora import LoraSpec
+from genrl.rewards import RewardManager
+
+__all__ = ["SHAPES_DIT", "Scorer", "build_policy", "build_student", "frame_shape_of", "gather_batch",
+           "log_validation_rewards", "policy_optimizer", "policy_spec", "rank_slice", "trainer_of", "world_of"]
 
 
-def build_policy(generator_spec, transformer_spec, text_encoder: str, max_text_length: int, lora=None):
-    """The policy generator of a method: a diffusers family (``generator_spec``, a
-    :class:`~genrl.models.families.GeneratorSpec`) or genrl's DiT (``transformer_spec`` + a text encoder), with
-    the LoRA adapter (:class:`~genrl.methods.grpo.LoraSpec` or its dict) added when given; transformer in train
-    mode.
+#: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
+SHAPES_DIT = GeneratorSpec(family="dit", pretrained="assets/shapes-dit")
+
+
+def build_policy(spec: GeneratorSpec | dict | None, lora: LoraSpec | dict | None = None):
+    """The policy generator of a method from its one ``generator:`` spec (:class:`~genrl.models.families.GeneratorSpec`;
+    genrl's DiT is ``family: dit``; None: :data:`SHAPES_DIT`), with the LoRA adapter (:class:`~genrl.models.lora.
+    LoraSpec` or its dict) added when given; transformer in train mode.
 
     Raises:
         FileNotFoundError, ValueError: from the loaders (missing weights, bad specs).
     """
-    from genrl.methods.grpo import LoraSpec
-    from genrl.models.generator import DiTGenerator
-    from genrl.models.text_encoder import TextEncoder
-
-    if generator_spec is not None:
-        from genrl.models.families import build_generator
-
-        generator = build_generator(generator_spec)
-    else:
-        encoder = TextEncoder.from_pretrained(text_encoder, max_length=max_text_length)
-        generator = DiTGenerator(transformer_spec.build(), encoder)
+    generator = build_generator(spec if spec is not None else SHAPES_DIT)
     if lora is not None:
         (lora if isinstance(lora, LoraSpec) else LoraSpec(**lora)).add_to(generator)
     generator.transformer.train()  # from_pretrained returns eval mode
     return generator
 
 
-def build_student(generator_spec, transformer_spec, text_encoder: str, max_text_length: int, lora=None):
+def build_student(spec: GeneratorSpec | dict | None, lora: LoraSpec | dict | None = None):
     """:func:`build_policy` for a distillation student, whose default weights are a previous stage's export:
     a missing folder names the config key and the stage that writes it.
 
@@ -42,63 +47,97 @@ def build_student(generator_spec, transformer_spec, text_encoder: str, max_text_
         FileNotFoundError: the student's weights are missing (with the fix).
     """
     try:
-        return build_policy(generator_spec, transformer_spec, text_encoder, max_text_length, lora)
+        return build_policy(spec, lora)
     except FileNotFoundError as e:
         raise FileNotFoundError(
-            f"{e}\nThe student's starting weights (model.init_args.transformer.pretrained, or generator.pretrained / "
-            f"transformer_path) are missing. The shapes distillation configs start from the ODE-init stage: run "
+            f"{e}\nThe student's starting weights (model.init_args.generator.pretrained, or generator.transformer_path "
+            f"for a diffusers family) are missing. The shapes distillation configs start from the ODE-init stage: run "
             f"`genrl fit --config configs/ode_init/shapes.yaml` first (it writes runs/ode_init_shapes/export), or "
-            f"start from the base model with --model.init_args.transformer.pretrained=assets/shapes-dit"
+            f"start from the base model with --model.init_args.generator.pretrained=assets/shapes-dit"
         ) from e
 
 
-def build_reward_manager(specs: list[dict[str, Any]], combine: str, trainer=None):
-    """A built :class:`~genrl.rewards.RewardManager` for ``specs``; the datamodule's shapes world (when the
-    trainer has a datamodule with one) is passed to rewards that take it."""
-    from genrl.rewards import RewardManager
-
-    world = getattr(getattr(trainer, "datamodule", None), "world", None) if trainer is not None else None
-    manager = RewardManager(specs, combine=combine)
-    manager.build({"world": world} if world is not None else {})
-    return manager
-
-
-#: checkpoint key of the reward manager's state (running normalisers etc.).
-REWARD_STATE_KEY = "genrl_reward_manager"
+def policy_spec(method: LightningModule, spec: GeneratorSpec | dict | None,
+                default: GeneratorSpec = SHAPES_DIT) -> GeneratorSpec:
+    """``spec`` as a :class:`GeneratorSpec` (a dict from a config is converted; None gives ``default``), recorded as
+    plain values in ``method.hparams["generator"]`` so checkpoints name the generator that was built
+    (:func:`genrl.models.loading.load_generator` rebuilds it) and load with ``torch.load(weights_only=True)``."""
+    spec = default if spec is None else spec if isinstance(spec, GeneratorSpec) else GeneratorSpec(**spec)
+    method.hparams["generator"] = asdict(spec)
+    return spec
 
 
-def ensure_reward_manager(method) -> None:
-    """Build ``method.rewards`` from ``method._reward_specs`` / ``method.hparams.reward_combine`` once (a
-    method's ``setup``)."""
-    if method.rewards is None:
-        method.rewards = build_reward_manager(method._reward_specs, method.hparams.reward_combine, method._trainer)
+def trainer_of(module: LightningModule):
+    """The Trainer ``module`` is attached to, or None (a module used on its own, e.g. in a test)."""
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
 
 
-def save_reward_state(method, checkpoint: dict) -> None:
-    """``on_save_checkpoint``: store the reward manager's state (when built) under :data:`REWARD_STATE_KEY`."""
-    if method.rewards is not None:
-        checkpoint[REWARD_STATE_KEY] = method.rewards.state_dict()
+def world_of(module: LightningModule) -> tuple[int, int]:
+    """(global rank, world size) of ``module``'s trainer; (0, 1) without one."""
+    trainer = trainer_of(module)
+    return (0, 1) if trainer is None else (int(trainer.global_rank), int(trainer.world_size))
 
 
-def stash_reward_state(method, checkpoint: dict) -> None:
-    """``on_load_checkpoint``: keep the reward manager's stored state until the manager exists (it is built in
-    ``setup``, which Lightning may call after the checkpoint is loaded)."""
-    method._pending_reward_state = checkpoint.get(REWARD_STATE_KEY)
+class Scorer(nn.Module):
+    """The reward manager of a method (rollout scoring and validation), as a child module that holds no weights.
+
+    The reward models stay outside the module tree (frozen, rebuilt from their specs, never checkpointed or wrapped
+    by a strategy); the manager's running state (z-score statistics, failure counts) is this module's *extra state*,
+    so it is saved in every checkpoint and restored on resume with no hook in the method.
+
+    Args:
+        specs: reward specs (``[{"name": "shapes", "weight": 1.0}, ...]``, see :class:`genrl.rewards.RewardSpec`).
+        combine: ``"weighted_sum"``, ``"zscore_sum"`` or ``"advantage_sum"`` (see :class:`genrl.rewards.RewardManager`).
+    Raises:
+        ValueError: no spec, an unknown combine mode; UnknownRewardError: an unregistered reward name.
+    """
+
+    def __init__(self, specs: list[dict[str, Any]], combine: str = "weighted_sum") -> None:
+        super().__init__()
+        self.manager = RewardManager(specs, combine=combine)  # not an nn.Module: its models are not children
+        self._pending: dict | None = None
+
+    def build(self, trainer=None) -> RewardManager:
+        """Build the reward models once; the trainer's datamodule ``world`` (the shapes world) goes to the rewards
+        that take it. Applies a state restored before the build."""
+        if not self.manager.built:
+            world = getattr(getattr(trainer, "datamodule", None), "world", None)
+            self.manager.build({"world": world} if world is not None else {})
+        if self._pending is not None:
+            self.manager.load_state_dict(self._pending)
+            self._pending = None
+        return self.manager
+
+    def forward(self, pixels: torch.Tensor, prompts: list[str]):
+        """Score pixels [B, T, C, H, W] in [0, 1] (any device / dtype) for ``prompts`` -> a
+        :class:`~genrl.rewards.RewardResult` (CPU tensors of length B)."""
+        return self.build()(pixels.float().cpu(), prompts)
+
+    def get_extra_state(self) -> dict | None:
+        return self.manager.state_dict() if self.manager.built else self._pending
+
+    def set_extra_state(self, state: dict | None) -> None:
+        self._pending = state
+        if self.manager.built and state is not None:
+            self.build()
 
 
-def restore_reward_state(method) -> None:
-    """Load a stashed reward-manager state into ``method.rewards`` once (start of ``training_step``)."""
-    if getattr(method, "_pending_reward_state", None) is not None:
-        method.rewards.load_state_dict(method._pending_reward_state)
-        method._pending_reward_state = None
-
-
-def gather_batch(method, t):
+def gather_batch(module: LightningModule, t: torch.Tensor) -> torch.Tensor:
     """``t`` [n, ...] of this rank -> the global batch [world * n, ...] on the CPU (rank order), via Lightning's
     ``all_gather``; unchanged on one process. Group statistics (advantages) are computed on the gathered batch."""
-    if method._trainer is None or method.trainer.world_size == 1:
+    _, world = world_of(module)
+    if world == 1:
         return t
-    return method.all_gather(t.to(method.device)).reshape(-1, *t.shape[1:]).cpu()
+    return module.all_gather(t.to(module.device)).reshape(-1, *t.shape[1:]).cpu()
+
+
+def rank_slice(module: LightningModule, t: torch.Tensor, n: int) -> torch.Tensor:
+    """This rank's ``n`` rows of a gathered batch ``t`` [world * n, ...] (inverse of :func:`gather_batch`)."""
+    rank, _ = world_of(module)
+    return t[rank * n : (rank + 1) * n]
 
 
 def policy_optimizer(generator, factory):
@@ -113,8 +152,6 @@ def policy_optimizer(generator, factory):
     return factory(params)
 
 
-
-
 def frame_shape_of(generator, latent_shape=None, default: tuple[int, ...] = (3, 16, 16)) -> tuple[int, ...]:
     """Latent shape of one frame (without the frame axis) of ``latent_shape`` (default: the generator's
     ``latent_shape``; ``default`` when it has none, e.g. genrl's DiT): DiT (C, H, W), Wan (C, h, w)."""
@@ -125,40 +162,10 @@ def frame_shape_of(generator, latent_shape=None, default: tuple[int, ...] = (3, 
     return tuple(int(v) for i, v in enumerate(shape) if i != fd - 1)
 
 
-@contextmanager
-def swapped_transformer(generator, transformer):
-    """Evaluate ``generator`` (its input handling, text conditioning, causal layout) with another transformer:
-    a frozen teacher, a critic, an old policy or a reference. Restores the live transformer and layout."""
-    live, causal = generator.transformer, getattr(generator, "causal", None)
-    generator.transformer = transformer
-    try:
-        yield generator
-    finally:
-        generator.transformer = live
-        if causal is not None:
-            generator.causal = causal
-
-
-@contextmanager
-def reference_weights(generator, reference, lora) -> Any:
-    """Evaluate ``generator`` with the frozen reference policy: with a LoRA adapter (``lora`` not None) the
-    adapter-disabled model, else the frozen ``reference`` transformer copy (moved to the generator's device).
-    Use under ``torch.no_grad()``; restores the live policy."""
-    if lora is not None:
-        generator.transformer.disable_adapters()
-        try:
-            yield generator
-        finally:
-            generator.transformer.enable_adapters()
-        return
-    with swapped_transformer(generator, reference.to(generator.device)) as gen:
-        yield gen
-
-
-def log_validation_rewards(method, videos, prompts: list[str]) -> None:
-    """Score validation ``videos`` (pixels [B, T, C, H, W] in [0, 1]) with ``method.rewards`` and log
-    ``val/<reward>/<key>`` and ``val/total`` (mean over valid samples; NaN when none is valid)."""
-    result = method.rewards(videos.float().cpu(), prompts)
+def log_validation_rewards(method: LightningModule, scorer: Scorer, videos: torch.Tensor, prompts: list[str]) -> None:
+    """Score validation ``videos`` (pixels [B, T, C, H, W] in [0, 1]) with ``scorer`` and log ``val/<reward>/<key>``
+    and ``val/total`` (mean over valid samples; NaN when none is valid)."""
+    result = scorer(videos, prompts)
     bs = len(prompts)
     for key, value in result.metrics().items():
         if key != "total":

@@ -1,6 +1,7 @@
 """DMD with Self-Forcing rollouts: the distillation baseline for causal, chunk-wise few-step video students.
 
-Three roles (ar_distill.md section 1.3): the causal student G (``generator``, trained), the real score (the frozen
+Three roles (docs/methods/distillation.md, "DMD with Self-Forcing rollouts"): the causal student G (``generator``,
+trained), the real score (the frozen
 bidirectional ``teacher``, CFG in the standard form with a cached negative-prompt embedding) and the fake score
 (the ``critic``, bidirectional, trained with the flow-matching loss on the student's samples). Each generator
 update rolls the student out with the shared autoregressive sampler under the Self-Forcing gradient policy (one
@@ -19,6 +20,7 @@ repeats an uninterrupted one.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -28,15 +30,15 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow import add_noise, x0_from_velocity
 from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sample_dmd_sigma, sid_loss
 from genrl.flow.guidance import cfg_combine
-from genrl.methods.common import (build_student, ensure_reward_manager, frame_shape_of, log_validation_rewards,
-                                  restore_reward_state, save_reward_state, stash_reward_state, swapped_transformer)
-from genrl.methods.grpo import LoraSpec
+from genrl.methods.common import Scorer, build_student, frame_shape_of, log_validation_rewards, policy_spec, trainer_of
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
+from genrl.models.lora import LoraSpec
+from genrl.models.roles import Roles, swapped_transformer
 from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM, Conditioning
+from genrl.models.text_encoder import Conditioning
+from genrl.noise import mix_seed, randn_per_sample, sample_generator
 from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, sample_exit_step
-from genrl.rollout.noise import mix_seed, randn_per_sample, sample_generator
 
 __all__ = ["DMD", "ScoreRole"]
 
@@ -69,13 +71,13 @@ class DMD(LightningModule):
     the method is data-free (the student's inputs come from its own rollouts).
 
     Args:
-        transformer: the student (:class:`ModelSpec`; normally the ODE-initialised export, or the teacher's
-            folder: a bidirectional model becomes causal by its attention layout, weights unchanged).
-        teacher: the real score (default: the student's ``pretrained`` folder, i.e. the base model).
-        critic: the fake score's initial weights (default: the teacher's).
-        text_encoder / max_text_length: the DiT's prompt encoder.
-        generator: a diffusers family student instead of the DiT (``GeneratorSpec(family="wan_causal", ...)``:
-            Wan2.1 with block-causal attention; its text encoder and VAE serve all roles). ``teacher`` (and
+        generator: the student (:class:`~genrl.models.families.GeneratorSpec`): genrl's DiT (``family: dit``; normally
+            the ODE-initialised export, or the teacher's folder: a bidirectional model becomes causal by its
+            attention layout, weights unchanged), or a causal diffusers family (``family: wan_causal``: Wan2.1 with
+            block-causal attention; its text encoder and VAE serve all roles).
+        teacher: the real score (a transformer :class:`ModelSpec`; default for the DiT: the student's ``pretrained``
+            folder, i.e. the base model; required for a family student).
+        critic: the fake score's initial weights (default: the teacher's). For a family student ``teacher`` (and
             ``critic``) are then transformer specs, e.g. ``model_class: diffusers.WanTransformer3DModel`` with
             ``subfolder: transformer`` and ``dtype: bfloat16``.
         lora: train a LoRA adapter on the student instead of all its weights.
@@ -101,12 +103,9 @@ class DMD(LightningModule):
 
     def __init__(
         self,
-        transformer: ModelSpec | None = None,
+        generator: GeneratorSpec | None = None,
         teacher: ModelSpec | None = None,
         critic: ModelSpec | None = None,
-        text_encoder: str = MINILM,
-        max_text_length: int = 32,
-        generator: GeneratorSpec | None = None,
         lora: LoraSpec | None = None,
         schedule: ChunkSchedule | None = None,
         num_frames: int = 8,
@@ -131,23 +130,20 @@ class DMD(LightningModule):
     ) -> None:
         super().__init__()
         if critic_updates_per_generator_update < 1:
-            raise ValueError(f"critic_updates_per_generator_update must be >= 1, got {critic_updates_per_generator_update}")
+            raise ValueError(f"critic_updates_per_generator_update must be >= 1, got "
+                             f"{critic_updates_per_generator_update}")
         if accumulate_grad_batches < 1:
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         if generator_loss not in ("dmd", "sid"):
             raise ValueError(f"generator_loss must be 'dmd' or 'sid', got {generator_loss!r}")
-        if generator is not None and transformer is not None:
-            raise ValueError("give either transformer (genrl's DiT student) or generator (a diffusers family), not both")
-        if generator is not None and teacher is None:
-            raise ValueError("a family student (generator:) needs an explicit teacher transformer spec, e.g. "
-                             "{model_class: diffusers.WanTransformer3DModel, pretrained: <folder>, subfolder: transformer}")
         self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer"])
+        self.generator_spec = policy_spec(self, generator)
+        if self.generator_spec.family != "dit" and teacher is None:
+            raise ValueError("a family student (generator:) needs an explicit teacher transformer spec, e.g. "
+                             "{model_class: diffusers.WanTransformer3DModel, pretrained: <folder>, subfolder: "
+                             "transformer}")
         self.automatic_optimization = False
-        self.generator_spec = generator
-        self.transformer_spec = transformer or ModelSpec(pretrained="assets/shapes-dit")
-        self.teacher_spec = teacher or ModelSpec(pretrained=self.transformer_spec.pretrained,
-                                                 subfolder=self.transformer_spec.subfolder,
-                                                 model_class=self.transformer_spec.model_class)
+        self.teacher_spec = teacher or ModelSpec(pretrained=self.generator_spec.pretrained)
         if self.teacher_spec.pretrained is None and not self.teacher_spec.config:
             raise ValueError("DMD needs a teacher: give teacher.pretrained (or a student with pretrained weights)")
         self.critic_spec = critic
@@ -160,45 +156,34 @@ class DMD(LightningModule):
         self.critic: torch.nn.Module | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))  # optimizer steps of the critic
         self.register_buffer("micro_step", torch.zeros((), dtype=torch.long))
-        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
-        self.rewards = None
+        self.scorer = Scorer(rewards if rewards is not None else [{"name": "shapes"}], reward_combine)
+        self.roles = Roles(self)
+        self._negative: Conditioning | None = None
+        #: optional weight of the DMD gradient per sample / element (see :meth:`generator_loss`); None = 1
+        self.generator_loss_weight: Callable[..., Any] | None = None
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        self.generator = build_student(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
-                                      self.hparams.max_text_length, self.hparams.lora)
+        self.roles.trainable("generator", build_student(self.generator_spec, self.hparams.lora))
         self.generator.causal = self.schedule.causal
         if self.frame_shape is None:
             self.frame_shape = frame_shape_of(self.generator)
-        teacher = self.teacher_spec.build().requires_grad_(False).eval()
+        teacher = self.roles.frozen("teacher", self.teacher_spec.build())  # never checkpointed: rebuilt on resume
         critic = self.critic_spec.build() if self.critic_spec is not None else copy.deepcopy(teacher)
-        self.critic = critic.requires_grad_(True).train()
-        object.__setattr__(self, "_teacher", teacher)  # frozen, never checkpointed
-        self._negative: Conditioning | None = None
-
-    def setup(self, stage: str) -> None:
-        self.configure_model()
-        ensure_reward_manager(self)
+        self.roles.trainable("critic", critic.requires_grad_(True).train())
+        self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
         gen_params = [p for p in self.generator.transformer.parameters() if p.requires_grad]
         critic_params = [p for p in self.critic.parameters() if p.requires_grad]
         return [self.generator_factory(gen_params), self.critic_factory(critic_params)]
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        save_reward_state(self, checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        stash_reward_state(self, checkpoint)
-
     # ------------------------------------------------------------------ roles
     @property
     def teacher(self) -> ScoreRole:
-        if self._teacher.device != self.device:
-            self._teacher.to(self.device)
-        return ScoreRole(self.generator, self._teacher)
+        return ScoreRole(self.generator, self.roles.get("teacher"))
 
     def _negative_cond(self, n: int) -> Conditioning:
         if self._negative is None or self._negative.hidden_states.device != self.device:
@@ -225,7 +210,8 @@ class DMD(LightningModule):
         if self._trainer is None:
             return 0, 1, None
         strategy = self.trainer.strategy
-        return self.trainer.global_rank, self.trainer.world_size, (strategy.broadcast if self.trainer.world_size > 1 else None)
+        world = self.trainer.world_size
+        return self.trainer.global_rank, world, (strategy.broadcast if world > 1 else None)
 
     def student_rollout(self, cond: Conditioning, indices: torch.Tensor, seed: int, grad: bool):
         """Student videos (latents) for ``cond`` with the Self-Forcing gradient policy when ``grad``."""
@@ -251,7 +237,12 @@ class DMD(LightningModule):
 
     # ------------------------------------------------------------------ losses
     def generator_loss(self, cond: Conditioning, indices: torch.Tensor, it: int) -> dict[str, torch.Tensor]:
-        """One Self-Forcing rollout and the DMD (or SiD) loss; returns {"loss", "grad_norm_g", "exit_step"}."""
+        """One Self-Forcing rollout and the DMD (or SiD) loss; returns {"loss", "grad_norm_g", "exit_step"}.
+
+        The DMD gradient is weighted by :attr:`generator_loss_weight` when set: a callable ``(x, x0_fake, x0_real,
+        indices) -> weight`` (python float, [B], [B, T] or x's shape, non-negative, detached), so a composing method
+        (e.g. a reward-weighted DMD) changes the generator update without copying it; gradient = w * g / N.
+        """
         out = self.student_rollout(cond, indices, mix_seed(self.hparams.seed, it, 1), grad=True)
         x = out.latents
         sigma, _, x_t = self._noised(x, indices, it, _STREAM_DMD_NOISE)
@@ -264,8 +255,12 @@ class DMD(LightningModule):
         fd = getattr(self.generator, "frame_dim", 1)
         g = dmd_gradient(x, x0_fake, x0_real, mask=mask, frame_dim=fd)
         if self.hparams.generator_loss == "dmd":
-            loss = dmd_loss(x, g, mask=mask, frame_dim=fd)
+            hook = self.generator_loss_weight
+            weight = hook(x.detach(), x0_fake, x0_real, indices) if hook is not None else None
+            loss = dmd_loss(x, g, mask=mask, weight=weight, frame_dim=fd)
         else:
+            if self.generator_loss_weight is not None:
+                raise ValueError("generator_loss_weight applies to the DMD loss; generator_loss='sid' has no weight")
             loss = sid_loss(x, x0_fake, x0_real, mask=mask, frame_dim=fd)
         return {"loss": loss, "g_norm": g.float().pow(2).mean().sqrt(), "exit_step": torch.tensor(float(out.exit_step))}
 
@@ -279,7 +274,6 @@ class DMD(LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        restore_reward_state(self)
         prompts, indices = list(batch["prompts"]), batch["index"].cpu()
         acc = self.hparams.accumulate_grad_batches
         micro = int(self.micro_step)
@@ -337,5 +331,5 @@ class DMD(LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])
         videos = self.generate(prompts, batch["index"].cpu())
-        log_validation_rewards(self, videos, prompts)
+        log_validation_rewards(self, self.scorer, videos, prompts)
         return {"videos": videos, "prompts": prompts}

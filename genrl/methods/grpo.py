@@ -16,62 +16,24 @@ module's own (a checkpointed buffer), and every random draw is addressed by (see
 
 from __future__ import annotations
 
-import copy
-import math
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow.policy import clipped_policy_loss, gaussian_kl, group_advantages, group_stats, velocity_kl
-from genrl.methods.common import (build_policy, ensure_reward_manager, gather_batch, log_validation_rewards,
-                                  policy_optimizer,
-                                  reference_weights, restore_reward_state, save_reward_state, stash_reward_state)
+from genrl.flow.policy import clipped_policy_loss, gaussian_kl, velocity_kl
+from genrl.flow.sde import step_mean_std
+from genrl.methods.common import Scorer, build_policy, log_validation_rewards, policy_optimizer, policy_spec, trainer_of
+from genrl.methods.phases import collect_flat, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
-from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM
-from genrl.rollout.noise import mix_seed
-from genrl.rollout.sampler import RolloutConfig, guided_velocity, rollout, transition_log_prob
+from genrl.models.lora import LoraSpec
+from genrl.models.roles import Roles
+from genrl.noise import mix_seed
+from genrl.rollout.sampler import RolloutConfig, encode_cfg, guided_velocity, rollout, transition_log_prob
 
-__all__ = ["GRPO", "LoraSpec"]
-
-
-@dataclass
-class LoraSpec:
-    """LoRA adapter on the policy (peft; Hu et al. 2022). Flow-GRPO SD3.5: r 32, alpha 64, gaussian init.
-
-    Attributes:
-        rank, alpha: LoRA rank r and scale alpha (update = alpha / r * B A).
-        target_modules: module names to adapt (None: the attention projections of the generator's family,
-            e.g. ``to_q, to_k, to_v, to_out.0`` for Wan; genrl's DiT: ``to_q, to_k, to_v, to_out``).
-        init_lora_weights: peft init (``"gaussian"`` or True for Kaiming-A / zero-B).
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    target_modules: list[str] | None = None
-    init_lora_weights: str | bool = "gaussian"
-
-    def add_to(self, generator) -> None:
-        """Add this adapter to ``generator.transformer`` (peft); the adapter weights are kept in float32
-        whatever the base weights' dtype (diffusers' cast_training_params practice)."""
-        from peft import LoraConfig
-
-        targets = self.target_modules or list(getattr(generator, "lora_target_modules", DIT_LORA_TARGETS))
-        generator.transformer.add_adapter(
-            LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(targets),
-                       init_lora_weights=self.init_lora_weights)
-        )
-        for p in generator.transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
-
-
-#: LoRA targets of genrl's own DiT.
-DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out"]
+__all__ = ["GRPO"]
 
 
 class GRPO(LightningModule):
@@ -83,11 +45,9 @@ class GRPO(LightningModule):
     deterministic ODE and scored by the same rewards.
 
     Args:
-        transformer: the policy network when it is genrl's DiT (:class:`ModelSpec`, normally
-            ``pretrained: assets/shapes-dit``).
-        text_encoder / max_text_length: the DiT's prompt encoder (local folder or ``"minilm"``).
-        generator: a diffusers family instead of the DiT (:class:`genrl.models.families.GeneratorSpec`:
-            Wan2.1, SD3.5, FLUX.1, SANA from a local folder or config values); excludes ``transformer``.
+        generator: the policy (:class:`~genrl.models.families.GeneratorSpec`): genrl's DiT (``family: dit``,
+            default ``pretrained: assets/shapes-dit``, ``text_encoder: minilm``) or a diffusers family (Wan2.1, SD3.5,
+            FLUX.1, SANA) from a local folder or config values.
         latent_shape: per-sample latent shape of the rollouts (default: the generator's, or (8, 3, 16, 16)
             for the DiT).
         rollout: the rollout sampler config (kernel, noise level, steps, CFG, which steps are SDE).
@@ -110,9 +70,6 @@ class GRPO(LightningModule):
 
     def __init__(
         self,
-        transformer: ModelSpec | None = None,
-        text_encoder: str = MINILM,
-        max_text_length: int = 32,
         generator: GeneratorSpec | None = None,
         latent_shape: list[int] | None = None,
         rollout: RolloutConfig | None = None,
@@ -142,12 +99,9 @@ class GRPO(LightningModule):
             raise ValueError(
                 f"need clip_range > 0, adv_clip_max > 0, kl_beta >= 0; got {clip_range}, {adv_clip_max}, {kl_beta}"
             )
-        if generator is not None and transformer is not None:
-            raise ValueError("give either transformer (genrl's DiT) or generator (a diffusers family), not both")
         self.save_hyperparameters(ignore=["optimizer"])
-        self.generator_spec = generator
+        self.generator_spec = policy_spec(self, generator)
         self.automatic_optimization = False
-        self.transformer_spec = transformer or ModelSpec()
         self.rollout_config = rollout or RolloutConfig()
         self.eval_config = eval_rollout or RolloutConfig(
             kernel="ode", num_steps=20, shift=self.rollout_config.shift, cfg_scale=self.rollout_config.cfg_scale,
@@ -157,156 +111,92 @@ class GRPO(LightningModule):
         self.optimizer_factory = optimizer
         self.generator: DiTGenerator | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
-        if not self._reward_specs:
+        specs = rewards if rewards is not None else [{"name": "shapes"}]
+        if not specs:
             raise ValueError("GRPO needs at least one reward; e.g. rewards: [{name: shapes}]")
-        self.rewards = None  # RewardManager, built in setup (not a child module: not checkpointed)
+        self.scorer = Scorer(specs, reward_combine)
+        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        generator = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
-                                 self.hparams.max_text_length, self.hparams.lora)
+        generator = build_policy(self.generator_spec, self.hparams.lora)
         if self.latent_shape is None:
             self.latent_shape = tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
-        reference = None
-        if self.hparams.lora is None and self.hparams.kl_beta > 0:
-            reference = copy.deepcopy(generator.transformer).requires_grad_(False).eval()
-        self.generator = generator
-        object.__setattr__(self, "_reference", reference)  # frozen copy, never checkpointed
-
-    def setup(self, stage: str) -> None:
-        self.configure_model()
-        ensure_reward_manager(self)
+        self.roles.trainable("generator", generator)
+        if self.hparams.kl_beta > 0:
+            self.roles.reference_copy(generator)
+        self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
         return policy_optimizer(self.generator, self.optimizer_factory)
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        save_reward_state(self, checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        stash_reward_state(self, checkpoint)
-
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ the algorithm
     def _reference_velocity(self, x, sigma, cond, uncond, cfg):
         mb = self.rollout_config.micro_batch_size
-        with torch.no_grad(), reference_weights(self.generator, self._reference, self.hparams.lora) as gen:
+        with torch.no_grad(), self.roles.reference(self.generator) as gen:
             return guided_velocity(gen, x, sigma, cond, uncond, cfg, mb)
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return gather_batch(self, t)
+    def step_loss(self, sub, k: int, cond, uncond, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Clipped surrogate (PPO eq. 7) on step ``k`` of the trajectories ``sub`` with advantages ``adv`` [b], plus
+        ``kl_beta`` x the KL to the reference (velocity MSE, or the closed-form Gaussian KL of the step)."""
+        h, cfg = self.hparams, self.rollout_config
+        log_prob, v, mean = transition_log_prob(self.generator, sub, k, cond, uncond)
+        loss_vec, stats = clipped_policy_loss(log_prob, sub.log_probs[:, k].to(log_prob.device),
+                                              adv.to(log_prob.device),
+                                              clip_range=h.clip_range, clip_range_high=h.clip_range_high,
+                                              adv_clip_max=h.adv_clip_max)
+        loss = loss_vec.mean()
+        if h.kl_beta > 0:
+            x, sig = sub.latents[:, k].to(v.device), sub.sigmas.to(v.device, torch.float32)
+            v_ref = self._reference_velocity(x, sig[k].expand(len(sub.prompts)), cond, uncond, cfg.cfg_scale)
+            if h.kl_kind == "velocity_mse":
+                kl = velocity_kl(v, v_ref)
+            else:
+                mean_ref, std = step_mean_std(cfg.kernel, x, v_ref, sig[k], sig[k + 1], cfg.noise_level,
+                                              sigma_at_one=float(sub.sigmas[1]))
+                kl = gaussian_kl(mean, mean_ref, std)
+            loss = loss + h.kl_beta * kl.mean()
+            stats["kl"] = kl.mean().detach()
+        stats["loss"] = loss.detach()
+        return loss, stats
 
-    def _score(self, pixels: torch.Tensor, prompts: list[str]):
-        result = self.rewards(pixels.float().cpu(), prompts)
-        return result
-
-    # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        restore_reward_state(self)
+        h, cfg, gen = self.hparams, self.rollout_config, self.generator
         prompts, index, group = list(batch["prompts"]), batch["index"].cpu(), batch["group"].cpu()
-        cfg = self.rollout_config
-        it = int(self.iteration)
-        seed = self.hparams.seed
-        gen = self.generator
-
-        # 1. rollouts (no grad) and rewards
-        was_training = gen.training
-        gen.eval()
-        traj = rollout(gen, prompts, self.latent_shape, seed, index, cfg, rollout_id=it)
-        result = self._score(gen.decode(traj.final), prompts)
-        gen.train(was_training)
-
-        # 2. advantages over the gathered batch (groups may span ranks)
-        total, valid = result.total, result.valid
-        all_total, all_group, all_valid = self._gather(total), self._gather(group), self._gather(valid)
-        if self.hparams.reward_combine == "advantage_sum":
-            adv_all = self.rewards.per_reward_advantages(
-                self._gather_result(result), all_group, std=self.hparams.advantage_std, eps=self.hparams.advantage_eps
-            )
-        else:
-            adv_all = group_advantages(all_total, all_group, std=self.hparams.advantage_std,
-                                       eps=self.hparams.advantage_eps, valid=all_valid)
-        rank, n = (self.trainer.global_rank if self._trainer else 0), len(prompts)
-        adv = adv_all[rank * n : (rank + 1) * n]
-        bs = len(prompts)
-        for key, value in result.metrics().items():
-            if key not in ("total", "invalid_fraction"):
-                self.log(f"reward/{key}", float(value), batch_size=bs)
-        for key, value in group_stats(all_total, all_group, valid=all_valid).items():
-            self.log(f"advantage/{key}", float(value), batch_size=bs)
-        self.log("reward/total", float(all_total[all_valid].mean()) if all_valid.any() else math.nan,
-                 prog_bar=True, batch_size=bs)
-        self.log("reward/invalid_fraction", float((~all_valid).float().mean()), batch_size=bs)
-        if not all_valid.any():
-            raise RuntimeError(
-                f"iteration {it}: every reward of the batch is invalid (NaN); the reward model is failing "
-                f"(see the reward/*/errors and nan_rewards metrics and the logged warnings); fix it or drop it "
-                f"from model.init_args.rewards"
-            )
-
-        # 3. policy update on the stochastic steps
-        opt = self.optimizers()
-        steps = traj.sde_steps
+        it, n = int(self.iteration), len(prompts)
+        ro = collect_flat(gen, prompts, self.latent_shape, h.seed, index, cfg, it)
+        scores = score(self, self.scorer, ro, group, iteration=it)
+        adv = group_advantages_of(self, scores, std=h.advantage_std, eps=h.advantage_eps,
+                                  per_reward=h.reward_combine == "advantage_sum", iteration=it)
+        traj, steps = ro.samples, ro.samples.sde_steps
         if not steps:
             raise ValueError("the rollout has no stochastic step to train; check rollout.kernel / sde_steps")
-        mb = self.hparams.mini_batch_size or n
+        mb = h.mini_batch_size or n
         if n % mb:
-            raise ValueError(
-                f"mini_batch_size {mb} does not divide the local batch of {n} samples (prompts_per_batch x "
-                f"group_size / devices); pick a divisor of {n}"
-            )
-        rows_all = torch.arange(n)  # invalid samples have advantage exactly 0: no gradient, same steps on every rank
-        stats_sum: dict[str, float] = {}
-        count = 0
-        for epoch in range(self.hparams.inner_epochs):
-            perm_gen = torch.Generator().manual_seed(mix_seed(seed, it, epoch, 11))
-            order = rows_all[torch.randperm(len(rows_all), generator=perm_gen)] if self.hparams.inner_epochs > 1 else rows_all
-            for start in range(0, len(order), mb):
-                rows = order[start : start + mb]
-                sub = traj.select(rows)
-                cond = gen.encode_prompts(sub.prompts)
-                uncond = gen.encode_prompts([cfg.null_prompt] * len(rows)) if cfg.cfg_scale != 1.0 else None
-                opt.zero_grad()
-                for k in steps:
-                    log_prob, v, mean = transition_log_prob(gen, sub, k, cond, uncond)
-                    old = sub.log_probs[:, k].to(log_prob.device)
-                    loss_vec, stats = clipped_policy_loss(
-                        log_prob, old, adv[rows].to(log_prob.device), clip_range=self.hparams.clip_range,
-                        clip_range_high=self.hparams.clip_range_high, adv_clip_max=self.hparams.adv_clip_max,
-                    )
-                    loss = loss_vec.mean()
-                    if self.hparams.kl_beta > 0:
-                        x = sub.latents[:, k].to(v.device)
-                        sig = sub.sigmas.to(v.device, torch.float32)
-                        v_ref = self._reference_velocity(x, sig[k].expand(len(rows)), cond, uncond, cfg.cfg_scale)
-                        if self.hparams.kl_kind == "velocity_mse":
-                            kl = velocity_kl(v, v_ref)
-                        else:
-                            from genrl.flow.sde import step_mean_std
+            raise ValueError(f"mini_batch_size {mb} does not divide the local batch of {n} samples "
+                             f"(prompts_per_batch x group_size / devices); pick a divisor of {n}")
 
-                            mean_ref, std = step_mean_std(cfg.kernel, x, v_ref, sig[k], sig[k + 1], cfg.noise_level,
-                                                          sigma_at_one=float(sub.sigmas[1]))
-                            kl = gaussian_kl(mean, mean_ref, std)
-                        loss = loss + self.hparams.kl_beta * kl.mean()
-                        stats["kl"] = kl.mean().detach()
-                    self.manual_backward(loss / len(steps))
-                    stats["loss"] = loss.detach()
-                    for key, value in stats.items():
-                        stats_sum[key] = stats_sum.get(key, 0.0) + float(value)
-                    count += 1
-                if self.hparams.max_grad_norm > 0:
-                    self.clip_gradients(opt, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
-                opt.step()
-        for key, value in stats_sum.items():
-            self.log(f"train/{key}", value / max(count, 1), batch_size=bs)
+        def units(rows: torch.Tensor):  # one optimizer step: every trained step of the mini-batch
+            sub = traj.select(rows)
+            cond, uncond = encode_cfg(gen, sub.prompts, cfg)
+
+            def unit(k: int):
+                loss, stats = self.step_loss(sub, k, cond, uncond, adv[rows])
+                return loss / len(steps), {key: float(v) for key, v in stats.items()}, 1
+            return [lambda k=k: unit(k) for k in steps]
+
+        plan = []  # invalid samples have advantage exactly 0: no gradient, the same steps on every rank
+        for epoch in range(h.inner_epochs):
+            g = torch.Generator().manual_seed(mix_seed(h.seed, it, epoch, 11))
+            order = torch.arange(n)[torch.randperm(n, generator=g)] if h.inner_epochs > 1 else torch.arange(n)
+            plan += [order[s : s + mb] for s in range(0, n, mb)]
+        stats = optimizer_steps(self, self.optimizers(), (units(rows) for rows in plan), h.max_grad_norm)
+        for key, value in stats.items():
+            self.log(f"train/{key}", value, batch_size=n)
         self.iteration += 1
-        self.log("train/iteration", float(self.iteration), batch_size=bs)
-
-    def _gather_result(self, result):
-        """The reward result of the whole global batch (every [B] tensor all-gathered across ranks)."""
-        return result.map_tensors(self._gather)
+        self.log("train/iteration", float(self.iteration), batch_size=n)
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
@@ -314,5 +204,5 @@ class GRPO(LightningModule):
         traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
                        self.eval_config, record=False)
         videos = self.generator.decode(traj.final)
-        log_validation_rewards(self, videos, prompts)
+        log_validation_rewards(self, self.scorer, videos, prompts)
         return {"videos": videos, "prompts": prompts}

@@ -14,7 +14,7 @@ straight to the endpoint:
 - loss = mean over the elements of frames with sigma != 0 of (x0_hat - x0)^2
   (:func:`genrl.flow.ode_regression_loss`; CausVid / Self-Forcing ``model/ode_regression.py``).
 
-Every random draw is addressed by (seed, sample id, global step) through :mod:`genrl.rollout.noise`, so a run
+Every random draw is addressed by (seed, sample id, global step) through :mod:`genrl.noise`, so a run
 resumed with ``--ckpt_path last`` repeats an uninterrupted one. Validation samples the student chunk by chunk
 with its KV cache (:func:`genrl.rollout.autoregressive.ar_rollout`, the few-step consistency sampler), decodes,
 scores with the configured rewards and returns ``{"videos", "prompts"}`` for
@@ -32,19 +32,24 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import ode_regression_loss, x0_from_velocity
-from genrl.methods.common import (build_policy, ensure_reward_manager, frame_shape_of, log_validation_rewards,
-                                  policy_optimizer, restore_reward_state, save_reward_state, stash_reward_state)
-from genrl.methods.grpo import LoraSpec
+from genrl.methods.common import (
+    Scorer,
+    build_policy,
+    frame_shape_of,
+    log_validation_rewards,
+    policy_optimizer,
+    policy_spec,
+    trainer_of,
+)
 from genrl.models.causal import CausalConfig
 from genrl.models.families import GeneratorSpec
-from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM
+from genrl.models.lora import LoraSpec
+from genrl.noise import sample_generator
 from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout
-from genrl.rollout.noise import sample_generator
 
 __all__ = ["ODEInit", "draw_chunk_states", "chunk_states_to_frames", "select_states", "shapes_schedule"]
 
-#: random stream of the per-chunk state draw (see genrl.rollout.noise).
+#: random stream of the per-chunk state draw (see genrl.noise).
 _STREAM_CHUNK_STATE = 0x0DE1
 
 
@@ -59,7 +64,7 @@ def draw_chunk_states(seed: int, sample_ids: Sequence[int] | torch.Tensor, step:
     """Per-chunk state indices of the ODE regression (CausVid sec. 4.3, ``uniform_timestep=False``).
 
     Row b holds ``num_chunks`` independent uniform draws from {0, ..., num_states - 1}, taken from the CPU
-    generator addressed by (seed, sample_ids[b], step, stream) (:func:`genrl.rollout.noise.sample_generator`):
+    generator addressed by (seed, sample_ids[b], step, stream) (:func:`genrl.noise.sample_generator`):
     a pure function of those integers, whatever the batch composition.
 
     Args:
@@ -142,17 +147,15 @@ class ODEInit(LightningModule):
     chunk-wise few-step rollout and scored by ``rewards``.
 
     Args:
-        transformer: the student when it is genrl's DiT (:class:`ModelSpec`; default ``pretrained:
-            assets/shapes-dit``: the student starts from the bidirectional teacher's weights).
-        text_encoder / max_text_length: the DiT's prompt encoder (local folder or ``"minilm"``).
-        generator: a diffusers family instead of the DiT (:class:`~genrl.models.families.GeneratorSpec`); it must
-            be a causal adapter (``init_cache`` / ``velocity_chunk`` / ``commit``, e.g. family ``"wan_causal"``).
+        generator: the student (:class:`~genrl.models.families.GeneratorSpec`): genrl's DiT (``family: dit``,
+            default ``pretrained: assets/shapes-dit``: the student starts from the bidirectional teacher's weights)
+            or a causal diffusers adapter (``init_cache`` / ``velocity_chunk`` / ``commit``, e.g. ``wan_causal``).
         schedule: the student's :class:`ChunkSchedule` (chunk layout, few-step list, sampler); the generator is
             made causal with ``generator.causal = schedule.causal``. Default: :func:`shapes_schedule`. The pairs
             file must hold states at exactly ``schedule.sigmas()``.
         draw_clean_state: also draw the clean state (sigma 0) for a chunk, as CausVid's t = 0 list entry; such
             chunks are clean context for later chunks and excluded from the loss.
-        lora: train a LoRA adapter instead of all weights (:class:`~genrl.methods.grpo.LoraSpec`).
+        lora: train a LoRA adapter instead of all weights (:class:`~genrl.models.lora.LoraSpec`).
         optimizer: optimizer factory (default AdamW, lr 2e-6, betas (0.9, 0.999), weight decay 0.01: CausVid's
             Wan ODE stage); gradient clipping is the trainer's ``gradient_clip_val``.
         warmup_steps: linear learning-rate warm-up in optimizer steps (0 = none).
@@ -163,14 +166,11 @@ class ODEInit(LightningModule):
         val_num_chunks: chunks per validation video (default: the whole latent length).
         seed: seed of all randomness.
     Raises:
-        ValueError: both ``transformer`` and ``generator``, or ``warmup_steps < 0``.
+        ValueError: ``warmup_steps < 0``, ``val_num_chunks < 1``.
     """
 
     def __init__(
         self,
-        transformer: ModelSpec | None = None,
-        text_encoder: str = MINILM,
-        max_text_length: int = 32,
         generator: GeneratorSpec | None = None,
         schedule: ChunkSchedule | None = None,
         draw_clean_state: bool = False,
@@ -184,8 +184,6 @@ class ODEInit(LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if generator is not None and transformer is not None:
-            raise ValueError("give either transformer (genrl's DiT) or generator (a diffusers family), not both")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if val_num_chunks is not None and val_num_chunks < 1:
@@ -193,19 +191,13 @@ class ODEInit(LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         if isinstance(schedule, dict):  # plain values (e.g. a checkpoint's hyper-parameters)
             schedule = ChunkSchedule(**schedule)
-        if isinstance(transformer, dict):
-            transformer = ModelSpec(**transformer)
-        self.generator_spec = generator
-        self.transformer_spec = transformer or (ModelSpec(pretrained="assets/shapes-dit") if generator is None else None)
-        if self.transformer_spec is not None:  # checkpoints record the student that was built (plain values)
-            self.hparams["transformer"] = asdict(self.transformer_spec)
+        self.generator_spec = policy_spec(self, generator)
         self.schedule = schedule or shapes_schedule()
         self.hparams["schedule"] = asdict(self.schedule)
         self.optimizer_factory = optimizer
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.generator = None
-        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
-        self.rewards = None  # RewardManager, built in setup (not a child module: not checkpointed)
+        self.scorer = Scorer(rewards if rewards is not None else [{"name": "shapes"}], reward_combine)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
@@ -217,8 +209,7 @@ class ODEInit(LightningModule):
         """
         if self.generator is not None:
             return
-        generator = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
-                                 self.hparams.max_text_length, self.hparams.lora)
+        generator = build_policy(self.generator_spec, self.hparams.lora)
         missing = [a for a in ("init_cache", "velocity_chunk", "commit") if not hasattr(generator, a)]
         if missing:
             raise ValueError(f"the {type(generator).__name__} student lacks the causal interface {missing}; use a "
@@ -229,11 +220,7 @@ class ODEInit(LightningModule):
             self.schedule.causal.check_patch(int(patch[0]))
         generator.causal = self.schedule.causal
         self.generator = generator
-
-    def setup(self, stage: str) -> None:
-        """Build the student and the validation rewards (held outside the module's children)."""
-        self.configure_model()
-        ensure_reward_manager(self)
+        self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
         """The optimizer over the trainable student parameters (all, or the LoRA adapter), with the optional
@@ -246,14 +233,6 @@ class ODEInit(LightningModule):
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Store the reward manager's state (running statistics) with the checkpoint."""
-        save_reward_state(self, checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Keep the stored reward-manager state until the manager is built."""
-        stash_reward_state(self, checkpoint)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -282,7 +261,7 @@ class ODEInit(LightningModule):
         """
         if self.latent_shape is not None:
             return tuple(self.latent_shape)
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        dm = getattr(trainer_of(self), "datamodule", None)
         shape = getattr(dm, "latent_shape", None) if dm is not None else None
         shape = shape or getattr(self.generator, "latent_shape", None)
         if shape is None:
@@ -353,7 +332,7 @@ class ODEInit(LightningModule):
         bs = len(batch["prompts"])
         self.log("train/loss", loss, prog_bar=True, batch_size=bs)
         self.log("train/noisy_frame_fraction", (out["sigma"] != 0).float().mean(), batch_size=bs)
-        if self._trainer is not None and self.trainer.optimizers:
+        if trainer_of(self) is not None and self.trainer.optimizers:
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=bs)
         return loss
 
@@ -381,11 +360,10 @@ class ODEInit(LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         """Sample the validation prompts causally (:meth:`generate`), decode to pixels [B, T, C, H, W] in [0, 1],
         log ``val/<reward>/<key>`` and ``val/total``, and return ``{"videos", "prompts"}`` for the VideoLogger."""
-        restore_reward_state(self)
         prompts = list(batch["prompts"])
         latents = self.generate(prompts, batch.get("index"))
         videos = self.generator.decode(latents)
-        log_validation_rewards(self, videos, prompts)
+        log_validation_rewards(self, self.scorer, videos, prompts)
         return {"videos": videos, "prompts": prompts}
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:

@@ -7,7 +7,7 @@ gets its own sigma (Diffusion Forcing, Chen et al. 2024, sec. 3; DFoT, Song et a
 what later history guidance and causal students need.
 
 Every random draw of a training step (noise, sigma, caption dropout) is addressed by (seed, sample
-index, stream) through :mod:`genrl.rollout.noise`, so a resumed run repeats an uninterrupted one.
+index, stream) through :mod:`genrl.noise`, so a resumed run repeats an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import TimestepSampler, add_noise, flow_matching_loss
+from genrl.methods.common import Scorer, build_policy, log_validation_rewards, policy_spec, trainer_of
+from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
-from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM, TextEncoder
-from genrl.rollout.noise import rand_per_sample, randn_per_sample, sample_generator
+from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
 from genrl.rollout.ode import sample_ode
 
 __all__ = ["FlowMatchingPretrain"]
 
-# random streams of one training sample (see genrl.rollout.noise)
+# random streams of one training sample (see genrl.noise)
 _STREAM_NOISE, _STREAM_SIGMA, _STREAM_DROPOUT = 0, 1, 2
 
 
@@ -41,9 +41,10 @@ class FlowMatchingPretrain(LightningModule):
     the configured rewards, and returned as ``{"videos", "prompts"}`` for :class:`~genrl.callbacks.VideoLogger`.
 
     Args:
-        transformer: the trainable network (a :class:`~genrl.models.spec.ModelSpec`; default: the small DiT).
-        text_encoder: local folder of a transformers encoder, or ``"minilm"`` (bundled MiniLM-L6).
-        max_text_length: tokens per prompt.
+        generator: the generator to train (:class:`~genrl.models.families.GeneratorSpec`; default genrl's DiT with
+            its default config and random weights, ``family: dit, components: {transformer: {}}``); for the DiT,
+            ``text_encoder`` (a local transformers encoder folder or ``"minilm"``, the bundled MiniLM-L6) and
+            ``max_sequence_length`` (tokens per prompt, default 32).
         optimizer: optimizer factory (LightningCLI ``OptimizerCallable``); default AdamW(lr=1e-3).
         warmup_steps: linear learning-rate warm-up, in optimizer steps.
         timestep_sampler: training sigma distribution (default logit-normal(0, 1), SD3 sec. 3.1).
@@ -59,9 +60,7 @@ class FlowMatchingPretrain(LightningModule):
 
     def __init__(
         self,
-        transformer: ModelSpec | None = None,
-        text_encoder: str = MINILM,
-        max_text_length: int = 32,
+        generator: GeneratorSpec | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         warmup_steps: int = 200,
         timestep_sampler: TimestepSampler | None = None,
@@ -81,29 +80,20 @@ class FlowMatchingPretrain(LightningModule):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.save_hyperparameters(ignore=["optimizer"])
-        self.transformer_spec = transformer or ModelSpec()
+        self.generator_spec = policy_spec(self, generator, default=GeneratorSpec(components={"transformer": {}}))
         self.optimizer_factory = optimizer
         self.timestep_sampler = timestep_sampler or TimestepSampler()
         self.generator: DiTGenerator | None = None
-        self._rewards: list = []  # held outside the module's children: never trained or checkpointed
+        self.scorer = Scorer(val_rewards) if val_rewards else None  # validation rewards, as every method
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
         """Build the transformer and load the text encoder (heavy work happens here, not in __init__)."""
         if self.generator is not None:
             return
-        transformer = self.transformer_spec.build().train()  # from_pretrained returns eval mode
-        encoder = TextEncoder.from_pretrained(self.hparams.text_encoder, max_length=self.hparams.max_text_length)
-        self.generator = DiTGenerator(transformer, encoder)
-
-    def setup(self, stage: str) -> None:
-        self.configure_model()
-        if not self._rewards and self.hparams.val_rewards:
-            from genrl.rewards import build_reward_with_context
-
-            world = getattr(getattr(self._trainer, "datamodule", None), "world", None) if self._trainer else None
-            context = {"world": world} if world is not None else {}
-            self._rewards = [build_reward_with_context(spec, context) for spec in self.hparams.val_rewards]
+        self.generator = build_policy(self.generator_spec)
+        if self.scorer is not None:
+            self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
         opt = self.optimizer_factory(self.generator.transformer.parameters())
@@ -151,7 +141,7 @@ class FlowMatchingPretrain(LightningModule):
                 f"rate or enable gradient clipping (trainer.gradient_clip_val)"
             )
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"] if self._trainer else math.nan)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"] if trainer_of(self) else math.nan)
         return loss
 
     # ------------------------------------------------------------------ validation / prediction
@@ -174,16 +164,8 @@ class FlowMatchingPretrain(LightningModule):
         prompts = list(batch["prompts"])
         latent_shape = self.generator.encode(batch["pixels"][:1]).shape[1:]
         videos = self.generate(prompts, latent_shape, indices=batch.get("index"))
-        for reward in self._rewards:
-            scores = reward(videos.cpu(), prompts)
-            valid = scores.get("valid", torch.ones(len(prompts), dtype=torch.bool))
-            for key, value in scores.items():
-                if key == "valid" or value.dtype == torch.bool:
-                    continue
-                vals = value[valid & ~torch.isnan(value)]
-                if len(vals):
-                    self.log(f"val/{reward.name}/{key}", vals.float().mean(), batch_size=len(vals))
-            self.log(f"val/{reward.name}/invalid", (~valid).float().mean(), batch_size=len(prompts))
+        if self.scorer is not None:
+            log_validation_rewards(self, self.scorer, videos, prompts)
         return {"videos": videos, "prompts": prompts}
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:

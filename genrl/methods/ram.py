@@ -1,6 +1,6 @@
 """Forward-process RL: RAM (reinforce adjoint matching), with DiffusionNFT and AWM as options of the same method.
 
-RL that keeps pretraining's regression structure (research/tmd_ram.md §1.5-1.7). Each iteration:
+RL that keeps pretraining's regression structure (docs/methods/forward_rl.md, "Algorithm"). Each iteration:
 
 1. **Rollouts, endpoints only.** The lagged policy theta_old (an EMA of theta) samples a group of G clean endpoints
    x0 per prompt with the shared sampler's deterministic ODE (:func:`genrl.rollout.sampler.rollout`, CFG allowed
@@ -24,7 +24,7 @@ RL that keeps pretraining's regression structure (research/tmd_ram.md §1.5-1.7)
    DiffusionNFT: 0.001 / 0.5). theta_old is a child module: it is checkpointed, so a resumed run repeats an
    uninterrupted one.
 
-Monitors logged every iteration (the failure modes of research/tmd_ram.md §4.3; see
+Monitors logged every iteration (docs/methods/forward_rl.md, "Monitors"; see
 :func:`genrl.flow.forward_rl.velocity_monitors`): ``monitor/v_ref_mse`` and ``monitor/v_old_mse`` (mean squared
 velocity gaps to the reference and to the old policy), ``monitor/v_norm_ratio`` (||v_theta|| / ||v_ref||),
 ``monitor/fm_mse_old`` / ``fm_mse_theta`` / ``fm_mse_ref`` (flow-matching errors on the endpoints),
@@ -38,7 +38,6 @@ resumed run repeats an uninterrupted one.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from typing import Any, Literal
@@ -47,18 +46,23 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
+from genrl.flow.forward_rl import awm_loss, awm_weight, ram_loss, sample_mse, sample_timesteps, velocity_monitors
 from genrl.flow.nft import advantage_to_r, nft_loss
 from genrl.flow.parameterization import add_noise
-from genrl.flow.policy import group_advantages, group_stats
-from genrl.methods.common import (build_policy, ensure_reward_manager, gather_batch, log_validation_rewards,
-                                  policy_optimizer,
-                                  reference_weights, restore_reward_state, save_reward_state, stash_reward_state,
-                                  swapped_transformer)
-from genrl.methods.grpo import LoraSpec
+from genrl.methods.common import (
+    Scorer,
+    build_policy,
+    gather_batch,
+    log_validation_rewards,
+    policy_optimizer,
+    policy_spec,
+    trainer_of,
+)
+from genrl.methods.phases import collect_endpoints, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
-from genrl.models.spec import ModelSpec
-from genrl.models.text_encoder import MINILM
-from genrl.rollout.noise import mix_seed, randn_per_sample
+from genrl.models.lora import LoraSpec
+from genrl.models.roles import Roles
+from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, rollout
 
 __all__ = ["RAM"]
@@ -78,7 +82,7 @@ class RAM(LightningModule):
 
     Args:
         objective: ``"ram"``, ``"nft"`` or ``"awm"``.
-        transformer / text_encoder / max_text_length / generator / latent_shape / lora: the policy, as in
+        generator / latent_shape / lora: the policy, as in
             :class:`~genrl.methods.grpo.GRPO` (genrl's DiT or a diffusers family; LoRA optional: the reference is then
             the adapter-disabled model).
         rollout: the endpoint sampler (forced to the deterministic ODE kernel; CFG allowed).
@@ -105,15 +109,12 @@ class RAM(LightningModule):
 
     Raises:
         ValueError: multiplier <= 0 (or not finite), num_draws < 1, updates_per_iteration < 1 or not dividing
-            num_draws, a bad EMA schedule, an unknown objective, transformer and generator both given.
+            num_draws, a bad EMA schedule, an unknown objective.
     """
 
     def __init__(
         self,
         objective: Objective = "ram",
-        transformer: ModelSpec | None = None,
-        text_encoder: str = MINILM,
-        max_text_length: int = 32,
         generator: GeneratorSpec | None = None,
         latent_shape: list[int] | None = None,
         lora: LoraSpec | None = None,
@@ -154,7 +155,8 @@ class RAM(LightningModule):
             raise ValueError(f"multiplier m must be a finite number > 0 (reference: 100 for GenEval / OCR-like "
                              f"rewards, 1000 for PickScore-like ones), got {multiplier!r}")
         if not isinstance(num_draws, int) or num_draws < 1:
-            raise ValueError(f"num_draws K must be an int >= 1 (re-noisings per endpoint; reference 8), got {num_draws!r}")
+            raise ValueError(f"num_draws K must be an int >= 1 (re-noisings per endpoint; reference 8), got "
+                             f"{num_draws!r}")
         if updates_per_iteration < 1 or num_draws % updates_per_iteration:
             raise ValueError(f"updates_per_iteration must be >= 1 and divide num_draws={num_draws}, got "
                              f"{updates_per_iteration}")
@@ -167,12 +169,9 @@ class RAM(LightningModule):
             raise ValueError(f"kl_beta and ema_kl_beta must be >= 0, got {kl_beta}, {ema_kl_beta}")
         if not 0 <= t_min < t_max <= 1:
             raise ValueError(f"need 0 <= t_min < t_max <= 1, got {t_min}, {t_max}")
-        if generator is not None and transformer is not None:
-            raise ValueError("give either transformer (genrl's DiT) or generator (a diffusers family), not both")
         self.save_hyperparameters(ignore=["optimizer"])
         self.automatic_optimization = False
-        self.generator_spec = generator
-        self.transformer_spec = transformer or ModelSpec()
+        self.generator_spec = policy_spec(self, generator)
         base = rollout or RolloutConfig(kernel="ode")
         self.rollout_config = RolloutConfig(**{**vars(base), "kernel": "ode"})  # endpoints: deterministic ODE
         self.eval_config = eval_rollout or RolloutConfig(
@@ -181,61 +180,38 @@ class RAM(LightningModule):
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
         self.generator = None
-        self.old_transformer = None
+        self.old_policy = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self.register_buffer("initial_self_consistency", torch.full((), float("nan")))
-        self._reward_specs = rewards if rewards is not None else [{"name": "shapes"}]
-        if not self._reward_specs:
+        specs = rewards if rewards is not None else [{"name": "shapes"}]
+        if not specs:
             raise ValueError("RAM needs at least one reward; e.g. rewards: [{name: shapes}]")
-        self.rewards = None
+        self.scorer = Scorer(specs, reward_combine)
+        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
         if self.generator is not None:
             return
-        gen = build_policy(self.generator_spec, self.transformer_spec, self.hparams.text_encoder,
-                           self.hparams.max_text_length, self.hparams.lora)
+        gen = build_policy(self.generator_spec, self.hparams.lora)
         if self.latent_shape is None:
             self.latent_shape = tuple(getattr(gen, "latent_shape", (8, 3, 16, 16)))
-        reference = None
-        if self.hparams.lora is None and self._needs_reference():
-            reference = copy.deepcopy(gen.transformer).requires_grad_(False).eval()
-        self.generator = gen
-        # theta_old: the lagged EMA that rolls out and supplies v_old (a child module: checkpointed)
-        self.old_transformer = copy.deepcopy(gen.transformer).requires_grad_(False).eval()
-        object.__setattr__(self, "_reference", reference)  # frozen initial weights, never checkpointed
+        self.roles.trainable("generator", gen)
+        if self._needs_reference():
+            self.roles.reference_copy(gen)  # the initial weights (none stored under LoRA: adapter disabled)
+        # theta_old: the lagged EMA that rolls out and supplies v_old (the trainable tensors only; checkpointed)
+        self.roles.lagged("old_policy", gen.transformer)
+        self.scorer.build(trainer_of(self))
 
     def _needs_reference(self) -> bool:
         return self.hparams.objective == "ram" or self.hparams.kl_beta > 0
 
-    def setup(self, stage: str) -> None:
-        self.configure_model()
-        ensure_reward_manager(self)
-
     def configure_optimizers(self):
         return policy_optimizer(self.generator, self.optimizer_factory)
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        save_reward_state(self, checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        stash_reward_state(self, checkpoint)
-
     # ------------------------------------------------------------------ pieces
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return gather_batch(self, t)
-
-    def endpoints(self, prompts: list[str], index: torch.Tensor, it: int) -> torch.Tensor:
-        """Clean endpoints x0 [B, *latent_shape] of the old policy (deterministic ODE, the rollout's CFG)."""
-        gen = self.generator
-        with torch.no_grad(), swapped_transformer(gen, self.old_transformer):
-            return rollout(gen, prompts, self.latent_shape, self.hparams.seed, index, self.rollout_config,
-                           rollout_id=it, record=False).final
-
     def timesteps(self, index: torch.Tensor, it: int, draw: int) -> torch.Tensor:
         """t [B] of draw ``draw`` for samples ``index`` (addressed by seed, iteration, sample, draw)."""
-        from genrl.flow.forward_rl import sample_timesteps
-
         h = self.hparams
         grid = self.rollout_config.sigmas()[:-1].tolist() if h.timestep_density == "grid" else None
         return sample_timesteps(len(index), mix_seed(h.seed, it, _STREAM_T), index, step=draw,
@@ -249,9 +225,9 @@ class RAM(LightningModule):
             return gen.velocity(x, t, cond).float()
         with torch.no_grad():
             if which == "old":
-                with swapped_transformer(gen, self.old_transformer):
+                with self.roles.swap(gen, "old_policy"):
                     return gen.velocity(x, t, cond).float()
-            with reference_weights(gen, self._reference, self.hparams.lora):
+            with self.roles.reference(gen):
                 return gen.velocity(x, t, cond).float()
 
     def unit_loss(self, x0: torch.Tensor, adv: torch.Tensor, cond, index: torch.Tensor, it: int, draw: int):
@@ -263,8 +239,6 @@ class RAM(LightningModule):
         Returns:
             (0-d loss with graph, dict of detached monitors).
         """
-        from genrl.flow.forward_rl import awm_loss, awm_weight, ram_loss, sample_mse, velocity_monitors
-
         h = self.hparams
         t = self.timesteps(index, it, draw).to(x0.device)
         eps = randn_per_sample(x0.shape[1:], mix_seed(h.seed, it, _STREAM_EPS), index, step=draw, device=x0.device)
@@ -300,96 +274,53 @@ class RAM(LightningModule):
     def update_old_policy(self) -> float:
         """theta_old <- d theta_old + (1 - d) theta, d = min(ramp * iteration, max); returns d."""
         d = min(self.hparams.old_decay_ramp * int(self.iteration), self.hparams.old_decay_max)
-        with torch.no_grad():
-            for p_old, p in zip(self.old_transformer.parameters(), self.generator.transformer.parameters()):
-                p_old.lerp_(p.detach().to(p_old.dtype), 1.0 - d)
+        self.roles.update_lagged("old_policy", d)
         return d
 
     # ------------------------------------------------------------------ training
-    def advantages(self, total: torch.Tensor, valid: torch.Tensor, group: torch.Tensor, it: int) -> torch.Tensor:
-        """Per-prompt advantages of the gathered batch (this rank's slice); invalid samples get 0.
-
-        Raises:
-            ValueError: a group of size 1 (no baseline: every advantage would be 0).
-            RuntimeError: every reward of the batch is invalid (NaN).
-        """
-        all_total, all_group, all_valid = self._gather(total), self._gather(group), self._gather(valid)
-        _, counts = torch.unique(all_group, return_counts=True)
-        if bool((counts < 2).any()):
-            raise ValueError(f"iteration {it}: a group of size {int(counts.min())}: a per-prompt advantage needs at "
-                             f"least 2 rollouts of the prompt (the group mean is the baseline); set "
-                             f"data.init_args.group_size >= 2 (reference: 8-24)")
-        if not all_valid.any():
-            raise RuntimeError(f"iteration {it}: every reward of the batch is invalid (NaN); the reward model is "
-                               f"failing (see the reward/*/errors metrics and the logged warnings)")
-        adv_all = group_advantages(all_total, all_group, std=self.hparams.advantage_std,
-                                   eps=self.hparams.advantage_eps, valid=all_valid)
-        bs = len(total)
-        for key, value in group_stats(all_total, all_group, valid=all_valid).items():
-            self.log(f"advantage/{key}", float(value), batch_size=bs)
-        self.log("advantage/std", float(adv_all[all_valid].std()) if int(all_valid.sum()) > 1 else 0.0,
-                 batch_size=bs)
-        rstd = float(all_total[all_valid].std()) if int(all_valid.sum()) > 1 else 0.0
+    def advantage_monitors(self, scores, adv_all: torch.Tensor, it: int) -> None:
+        """``advantage/std`` and ``reward/batch_std`` of the gathered batch; a warning when the rewards collapsed."""
+        valid, bs = scores.valid, scores.local
+        self.log("advantage/std", float(adv_all[valid].std()) if int(valid.sum()) > 1 else 0.0, batch_size=bs)
+        rstd = float(scores.total[valid].std()) if int(valid.sum()) > 1 else 0.0
         self.log("reward/batch_std", rstd, batch_size=bs)
         if rstd < 1e-6:
             logger.warning("iteration %d: every valid rollout scores the same (reward std %.2g): no advantage, no "
                            "update; a collapsed policy or a saturated reward", it, rstd)
-        self.log("reward/total", float(all_total[all_valid].mean()), prog_bar=True, batch_size=bs)
-        self.log("reward/invalid_fraction", float((~all_valid).float().mean()), batch_size=bs)
-        rank, n = (self.trainer.global_rank if self._trainer else 0), len(total)
-        return adv_all[rank * n : (rank + 1) * n]
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        restore_reward_state(self)
-        h = self.hparams
+        h, gen = self.hparams, self.generator
         prompts, index, group = list(batch["prompts"]), batch["index"].cpu(), batch["group"].cpu()
-        it = int(self.iteration)
-        gen = self.generator
-        was_training = gen.training
-        gen.eval()
-        x0 = self.endpoints(prompts, index, it)
-        result = self.rewards(gen.decode(x0).float().cpu(), prompts)
-        gen.train(was_training)
-        for key, value in result.metrics().items():
-            if key not in ("total", "invalid_fraction"):
-                self.log(f"reward/{key}", float(value), batch_size=len(prompts))
-        adv = self.advantages(result.total, result.valid, group, it)
+        it, n = int(self.iteration), len(prompts)
+        ro = collect_endpoints(gen, prompts, self.latent_shape, h.seed, index, self.rollout_config, it,
+                               policy=lambda: self.roles.swap(gen, "old_policy"))
+        scores = score(self, self.scorer, ro, group, iteration=it)
+        adv = group_advantages_of(self, scores, std=h.advantage_std, eps=h.advantage_eps, min_group_size=2,
+                                  iteration=it)
+        self.advantage_monitors(scores, gather_batch(self, adv), it)
+        # failed rewards: advantage 0 (a row at its group's baseline), never dropped, so every rank runs the same
+        # backward passes and optimizer steps whatever its validity mask
+        self.log("train/zero_advantage_invalid", float((~scores.result.valid).sum()), batch_size=n)
+        x0, mb, per_update = ro.samples, h.micro_batch_size or n, h.num_draws // h.updates_per_iteration
+        cond_all = gen.encode_prompts(prompts)
+        chunks = [torch.arange(s, min(s + mb, n)) for s in range(0, n, mb)]
 
-        rows = torch.nonzero(result.valid).flatten()  # failed rewards: left out of the loss (counted above)
-        n_skipped = len(prompts) - len(rows)
-        self.log("train/skipped_invalid", float(n_skipped), batch_size=len(prompts))
-        opt = self.optimizers()
-        mb = h.micro_batch_size or max(len(rows), 1)
-        draws_per_update = h.num_draws // h.updates_per_iteration
-        sums: dict[str, float] = {}
-        count = 0
-        if len(rows):
-            cond_all = gen.encode_prompts([prompts[i] for i in rows.tolist()])
-            x0 = x0[rows.to(x0.device)]
-            adv_r, index_r = adv[rows], index[rows]
-            chunks = [torch.arange(s, min(s + mb, len(rows))) for s in range(0, len(rows), mb)]
-            for update in range(h.updates_per_iteration):
-                opt.zero_grad()
-                units = [(k, c) for k in range(update * draws_per_update, (update + 1) * draws_per_update)
-                         for c in chunks]
-                for draw, c in units:
-                    loss, stats = self.unit_loss(x0[c.to(x0.device)], adv_r[c], cond_all.select(c.tolist()),
-                                                 index_r[c], it, draw)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"iteration {it}, draw {draw}: the {h.objective} loss is "
-                                                 f"{float(loss)}; lower the learning rate or the multiplier")
-                    self.manual_backward(loss * len(c) / (len(rows) * draws_per_update))
-                    for key, value in {"train/loss": loss.detach(), **stats}.items():
-                        sums[key] = sums.get(key, 0.0) + float(value)
-                    count += 1
-                if h.max_grad_norm > 0:
-                    self.clip_gradients(opt, gradient_clip_val=h.max_grad_norm, gradient_clip_algorithm="norm")
-                opt.step()
-        bs = len(prompts)
+        def unit(draw: int, c: torch.Tensor):
+            loss, stats = self.unit_loss(x0[c.to(x0.device)], adv[c], cond_all.select(c.tolist()), index[c], it, draw)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"iteration {it}, draw {draw}: the {h.objective} loss is {float(loss)}; lower "
+                                         f"the learning rate or the multiplier")
+            logged = {k: float(v) for k, v in {"train/loss": loss.detach(), **stats}.items()}
+            return loss * len(c) / (n * per_update), logged, 1
+
+        plan = [[lambda k=k, c=c: unit(k, c) for k in range(u * per_update, (u + 1) * per_update) for c in chunks]
+                for u in range(h.updates_per_iteration)]
+        sums = optimizer_steps(self, self.optimizers(), plan, h.max_grad_norm)
+        bs = n
         for key, value in sums.items():
-            self.log(key, value / max(count, 1), batch_size=bs)
+            self.log(key, value, batch_size=bs)
         if "monitor/fm_mse_old" in sums:  # self-consistency: v_old's FM error on its own endpoints vs at the start
-            fm_old = sums["monitor/fm_mse_old"] / max(count, 1)
+            fm_old = sums["monitor/fm_mse_old"]
             if torch.isnan(self.initial_self_consistency):
                 self.initial_self_consistency.fill_(fm_old)
             self.log("monitor/self_consistency", fm_old - float(self.initial_self_consistency), batch_size=bs)
@@ -404,5 +335,5 @@ class RAM(LightningModule):
         traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
                        self.eval_config, record=False)
         videos = self.generator.decode(traj.final)
-        log_validation_rewards(self, videos, prompts)
+        log_validation_rewards(self, self.scorer, videos, prompts)
         return {"videos": videos, "prompts": prompts}

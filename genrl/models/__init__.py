@@ -1,4 +1,5 @@
-"""Generator adapters: the Generator protocol, genrl's small video DiT, the video discriminator, text encoders, codecs, model specs."""
+"""Generator adapters: the Generator protocol, genrl's small video DiT, the video discriminator, text encoders, codecs,
+model specs."""
 
 from genrl.models.codec import PixelCodec
 from genrl.models.discriminator import VideoDiscriminator
@@ -7,4 +8,5 @@ from genrl.models.generator import DiTGenerator, Generator
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import MINILM, Conditioning, TextEncoder
 
-__all__ = ["Conditioning", "DiTGenerator", "Generator", "MINILM", "ModelSpec", "PixelCodec", "TextEncoder", "VideoDiT", "VideoDiscriminator"]
+__all__ = ["Conditioning", "DiTGenerator", "Generator", "MINILM", "ModelSpec", "PixelCodec", "TextEncoder", "VideoDiT",
+           "VideoDiscriminator"]

@@ -11,6 +11,11 @@ fork API ask), so a fork or a window shift never rewrites stored keys; positions
 keys are read, either absolute (frame index) or cache-relative (rank of the frame among the frames
 attended to). Keys and values are per layer ``[B, heads, N_tokens, head_dim]``, with one frame-index
 entry per stored frame group; tensors are replaced (never written in place), so forks never alias.
+
+:class:`ChunkSchedule` (how a causal student generates: layout, few-step list, re-noise rule) lives here, next to
+the layout it wraps, because a loaded causal generator carries one (``generator.schedule``, set by
+:func:`genrl.models.loading.load_generator`); the autoregressive sampler (:mod:`genrl.rollout.autoregressive`)
+re-exports it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CausalConfig", "KVCache", "CausalGenerator", "frame_visibility"]
+from genrl.flow.dmd import warped_sigmas
+from genrl.flow.schedules import shift_sigmas
+
+__all__ = ["CausalConfig", "ChunkSchedule", "KVCache", "CausalGenerator", "frame_visibility"]
 
 Positions = Literal["absolute", "relative"]
 
@@ -230,7 +238,7 @@ class KVCache:
         self.end_frame = 0
 
     # ------------------------------------------------------------------ copies
-    def clone(self) -> "KVCache":
+    def clone(self) -> KVCache:
         """A deep copy: every tensor cloned, every index and dict new (writing into one never changes the other)."""
         return KVCache(
             config=copy.deepcopy(self.config), batch_size=self.batch_size, patch_frames=self.patch_frames,
@@ -239,7 +247,7 @@ class KVCache:
             cross={layer: (key, k.clone(), v.clone()) for layer, (key, k, v) in self.cross.items()},
         )
 
-    def repeat_interleave(self, n: int) -> "KVCache":
+    def repeat_interleave(self, n: int) -> KVCache:
         """A new cache of batch ``B * n``: row ``b`` repeated ``n`` times in a row (batched fork)."""
         out = self.clone()
         out.batch_size = self.batch_size * n
@@ -248,7 +256,7 @@ class KVCache:
         out.cross = {}  # conditioning rows change with the batch; rebuilt on first use
         return out
 
-    def select_rows(self, rows: list[int]) -> "KVCache":
+    def select_rows(self, rows: list[int]) -> KVCache:
         """A new cache holding batch rows ``rows`` (cloned)."""
         out = self.clone()
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -261,6 +269,59 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by stored keys and values."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@dataclass
+class ChunkSchedule:
+    """How a causal student generates: chunk layout, few-step list, re-noise rule and context noise.
+
+    Attributes:
+        causal: chunk sizes, local window, sink frames and position policy (:class:`CausalConfig`).
+        timesteps: the configured denoising list in [0, 1000], descending (Self-Forcing [1000, 750, 500, 250]).
+        shift: timestep shift s.
+        warp: Self-Forcing's ``warp_denoising_step``: the list indexes the shifted 1000-step grid (shift 5 gives
+            [1000, 937.5, 833.3, 625]); False shifts each value directly.
+        kernel: ``"consistency"`` (x_{j+1} = (1 - sigma_{j+1}) x0_hat + sigma_{j+1} eps', fresh eps'; Self-Forcing)
+            or ``"ode"`` (Euler step x + (sigma_{j+1} - sigma_j) v; deterministic).
+        context_noise: sigma of the context pass that commits a finished chunk (0 = clean context).
+
+    Raises:
+        ValueError: an empty or non-descending list, values outside [0, 1000], a bad kernel or context noise.
+    """
+
+    causal: CausalConfig = field(default_factory=CausalConfig)
+    timesteps: list[float] = field(default_factory=lambda: [1000.0, 750.0, 500.0, 250.0])
+    shift: float = 5.0
+    warp: bool = True
+    kernel: Literal["consistency", "ode"] = "consistency"
+    context_noise: float = 0.0
+
+    def __post_init__(self) -> None:
+        ts = [float(t) for t in self.timesteps]
+        if not ts or any(not 0 < t <= 1000 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
+            raise ValueError(f"timesteps must be a strictly descending list in (0, 1000], got {self.timesteps}")
+        self.timesteps = ts
+        if self.kernel not in ("consistency", "ode"):
+            raise ValueError(f"kernel must be 'consistency' or 'ode', got {self.kernel!r}")
+        if not 0.0 <= self.context_noise < 1.0:
+            raise ValueError(f"context_noise is a sigma in [0, 1), got {self.context_noise}")
+        if isinstance(self.causal, dict):
+            self.causal = CausalConfig(**self.causal)
+        elif not isinstance(self.causal, CausalConfig) and hasattr(self.causal, "__dict__"):  # a config Namespace
+            self.causal = CausalConfig(**{k: v for k, v in vars(self.causal).items() if not k.startswith("_")})
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    def sigmas(self) -> torch.Tensor:
+        """float64 [S + 1]: the step sigmas, then 0."""
+        if self.warp:
+            sig = [float(v) for v in warped_sigmas(self.timesteps, self.shift)]
+        else:
+            sig = [float(shift_sigmas(torch.tensor(t / 1000.0, dtype=torch.float64), self.shift))
+                   for t in self.timesteps]
+        return torch.tensor(sig + [0.0], dtype=torch.float64)
 
 
 @runtime_checkable

@@ -8,7 +8,7 @@ tokens, cross-attention to the text encoder's per-token states, and an MLP; a le
 constructor is its config: the default is tiny (width 64, 2 blocks) and saves / loads with
 ``save_pretrained`` / ``from_pretrained``.
 
-AFD (research/ar_distill.md §1.6, §3.4) trains it with `genrl.flow.bt_loss` on (teacher clip, student
+AFD (docs/methods/distillation.md, AFD) trains it with `genrl.flow.bt_loss` on (teacher clip, student
 rollout) pairs of the same prompt, optionally with `genrl.flow.r1_penalty` / `r2_penalty`; its score
 gap becomes the student's advantage.
 """
@@ -120,7 +120,7 @@ class VideoDiscriminator(ModelMixin, ConfigMixin):
     Raises:
         ValueError: a bad config value (the message names it).
 
-    Source: the discriminator role of AFD (arXiv 2605.26105; research/ar_distill.md §1.6 item 2, §3.4);
+    Source: the discriminator role of AFD (arXiv 2605.26105; docs/methods/distillation.md, AFD step 2);
     transformer blocks after ViT / DiT (Dosovitskiy et al. 2021; Peebles & Xie 2023) with text
     cross-attention as in PixArt-alpha (Chen et al. 2023); sin-cos positions (Vaswani et al. 2017).
     """
@@ -227,7 +227,8 @@ class VideoDiscriminator(ModelMixin, ConfigMixin):
         else:
             raise ValueError(f"sigma has shape {tuple(s.shape)}, expected a float, [B] = [{b}] or [B, T] = [{b}, {t}]")
         if bool(((s < 0) | (s > 1) | torch.isnan(s)).any()):
-            raise ValueError(f"sigma must lie in [0, 1] (0 = clean), got values in [{float(s.min())}, {float(s.max())}]")
+            raise ValueError(f"sigma must lie in [0, 1] (0 = clean), got values in "
+                             f"[{float(s.min())}, {float(s.max())}]")
         return s
 
     # ------------------------------------------------------------------ forward
@@ -286,7 +287,8 @@ class VideoDiscriminator(ModelMixin, ConfigMixin):
         else:
             if encoder_attention_mask.shape != (b, length):
                 raise ValueError(
-                    f"encoder_attention_mask of shape {tuple(encoder_attention_mask.shape)} must be [B, L] = [{b}, {length}]"
+                    f"encoder_attention_mask of shape {tuple(encoder_attention_mask.shape)} must be [B, L] = "
+                    f"[{b}, {length}]"
                 )
             text_keep = encoder_attention_mask.to(device=device, dtype=torch.bool)
         empty = (~text_keep.any(dim=1)).nonzero().flatten().tolist()

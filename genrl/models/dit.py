@@ -22,6 +22,8 @@ from diffusers.models.modeling_utils import ModelMixin
 from einops import rearrange
 from torch import nn
 
+from genrl.models.causal import CausalConfig, frame_visibility
+
 __all__ = ["VideoDiT", "sincos_embedding_1d", "sincos_position_embedding_3d", "timestep_embedding"]
 
 
@@ -307,27 +309,25 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
             )
         return grouped[..., 0]
 
-    def causal_config(self, causal: "CausalConfig | None" = None) -> "CausalConfig":
+    def causal_config(self, causal: CausalConfig | None = None) -> CausalConfig:
         """``causal`` checked against the temporal patch, or the model's default (chunks of
         ``causal_chunk_size``, no window).
 
         Raises:
             ValueError: no layout given and the model has no ``causal_chunk_size``; sizes not multiples of the patch.
         """
-        from genrl.models.causal import CausalConfig
-
         if causal is None:
             if self.config.causal_chunk_size is None:
-                raise ValueError("attention='block_causal' needs a CausalConfig or a model built with causal_chunk_size")
+                raise ValueError("attention='block_causal' needs a CausalConfig or a model built with "
+                                 "causal_chunk_size")
             causal = CausalConfig(chunk_size=self.config.causal_chunk_size)
         causal.check_patch(self.config.patch_size[0])
         return causal
 
-    def block_causal_mask(self, f: int, s: int, device: torch.device, causal=None, start_frame: int = 0) -> torch.Tensor:
+    def block_causal_mask(self, f: int, s: int, device: torch.device, causal=None,
+                          start_frame: int = 0) -> torch.Tensor:
         """Boolean self-attention mask [F*S, F*S] (True = may attend) for chunked causal attention over F frame
         groups of S tokens starting at latent frame ``start_frame`` (window and sink from ``causal``)."""
-        from genrl.models.causal import frame_visibility
-
         causal = self.causal_config(causal)
         frames = start_frame + torch.arange(f) * self.config.patch_size[0]
         vis = frame_visibility(causal, frames, frames)
@@ -335,8 +335,6 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
 
     def _attention_context(self, attention, causal, start_frame, kv_cache, commit, f, s, device, cross_key):
         """Mask, rotary tables and cache prefix of one forward; returns (context, group positions [F])."""
-        from genrl.models.causal import frame_visibility
-
         pt = self.config.patch_size[0]
         q_frames = start_frame + torch.arange(f) * pt
         rope_dim = self.config.rope_temporal_dim

@@ -1,4 +1,4 @@
-"""The Generator protocol (DESIGN.md section 3) and its implementation over genrl's own DiT.
+"""The Generator protocol (docs/architecture.md, The Generator protocol) and its implementation over genrl's own DiT.
 
 Every backbone (the built-in DiT, and the diffusers families that plug in later) exposes the same small
 surface, so the rollout sampler, the losses and every method are written once:
@@ -20,6 +20,7 @@ from torch import nn
 from genrl.models.causal import CausalConfig, KVCache
 from genrl.models.codec import PixelCodec
 from genrl.models.dit import VideoDiT
+from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning, TextEncoder
 
 __all__ = ["Generator", "DiTGenerator"]
@@ -69,33 +70,14 @@ class DiTGenerator(nn.Module):
     @classmethod
     def from_pretrained(
         cls, path: str, text_encoder: str = "minilm", max_text_length: int = 32, subfolder: str | None = None
-    ) -> "DiTGenerator":
+    ) -> DiTGenerator:
         """Load a transformer saved with ``save_pretrained`` (e.g. ``assets/shapes-dit``) plus a text encoder.
 
         Raises:
             FileNotFoundError: no weights at ``path`` or no text-encoder folder (each names the path).
         """
-        from genrl.models.spec import ModelSpec
-
         transformer = ModelSpec(pretrained=path, subfolder=subfolder).build().eval()
         return cls(transformer, TextEncoder.from_pretrained(text_encoder, max_length=max_text_length))
-
-    @classmethod
-    def from_checkpoint(cls, path: str, use_ema: bool = True, text_encoder: str | None = None) -> "DiTGenerator":
-        """Load the generator of a ``genrl fit`` Lightning checkpoint of a DiT run (EMA weights when the run had
-        EMA; the run's LoRA attached). Same as :func:`genrl.models.loading.load_generator`.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: not a genrl checkpoint, or the checkpoint is of a diffusers family (use load_generator).
-        """
-        from genrl.models.loading import load_generator
-
-        generator = load_generator(path, text_encoder=text_encoder, use_ema=use_ema)
-        if not isinstance(generator, cls):
-            raise ValueError(f"{path!r} is a checkpoint of a {type(generator).__name__}, not of genrl's DiT; "
-                             f"use genrl.models.loading.load_generator")
-        return generator
 
     @property
     def device(self) -> torch.device:

@@ -26,8 +26,22 @@ from typing import Any
 
 import torch
 
+from genrl.models.causal import ChunkSchedule
+from genrl.models.families import GeneratorSpec, build_generator, family_class
+from genrl.models.generator import DiTGenerator
+from genrl.models.lora import LoraSpec
+from genrl.models.spec import ModelSpec
+from genrl.models.text_encoder import TextEncoder
+
 __all__ = ["load_generator", "PIPELINE_FAMILIES", "FAMILY_DEFAULTS", "family_of_pipeline", "has_lora",
-           "checkpoint_kind"]
+           "checkpoint_kind", "CAUSAL_SCHEDULE_FILE", "EXPORT_INFO_FILE"]
+
+#: file next to an exported causal student's config.json: its ChunkSchedule (chunk layout, few-step list), so
+#: ``load_generator`` / ``pipelines/generate.py`` sample it chunk by chunk without extra flags (written by
+#: :class:`genrl.callbacks.DiffusersExport`).
+CAUSAL_SCHEDULE_FILE = "causal_schedule.json"
+#: file next to an export's config.json saying how it was made (``{"ema": bool, "global_step": int}``).
+EXPORT_INFO_FILE = "genrl_export.json"
 
 #: diffusers pipeline ``_class_name`` (model_index.json) -> genrl family.
 PIPELINE_FAMILIES: dict[str, str] = {
@@ -129,8 +143,14 @@ def _read_checkpoint(path: Path) -> dict:
 
 
 def checkpoint_kind(ckpt: dict) -> str:
-    """``"family"`` when the run used a diffusers family (hyper-parameter ``generator``), else ``"dit"``."""
-    return "family" if ckpt.get("hyper_parameters", {}).get("generator") is not None else "dit"
+    """``"family"`` when the run used a diffusers family (hyper-parameter ``generator`` of a family other than
+    ``dit``), else ``"dit"`` (``generator.family: dit``, or the ``transformer`` key of runs before one generator
+    spec)."""
+    spec = ckpt.get("hyper_parameters", {}).get("generator")
+    if spec is None:
+        return "dit"
+    family = spec.get("family", "dit") if isinstance(spec, dict) else getattr(spec, "family", "dit")
+    return "dit" if family == "dit" else "family"
 
 
 def _trained_weights(ckpt: dict, use_ema: bool) -> tuple[dict[str, torch.Tensor], bool]:
@@ -165,15 +185,11 @@ def _load_weights(generator, ckpt: dict, use_ema: bool, source: Path) -> None:
 def _add_lora(generator, lora) -> None:
     if lora is None:
         return
-    from genrl.methods.grpo import LoraSpec
-
     _as_dataclass(lora, LoraSpec).add_to(generator)
 
 
 def _load_family_checkpoint(path: Path, ckpt: dict, hp: dict, *, height, width, num_frames, torch_dtype,
                             use_ema, pretrained):
-    from genrl.models.families import GeneratorSpec, build_generator
-
     spec = _as_dataclass(hp["generator"], GeneratorSpec)
     changes: dict[str, Any] = {"torch_dtype": torch_dtype}
     for key, value in (("height", height), ("width", width), ("num_frames", num_frames)):
@@ -201,11 +217,12 @@ def _load_family_checkpoint(path: Path, ckpt: dict, hp: dict, *, height, width, 
 
 
 def _load_dit_checkpoint(path: Path, ckpt: dict, hp: dict, *, text_encoder, use_ema, pretrained):
-    from genrl.models.generator import DiTGenerator
-    from genrl.models.spec import ModelSpec
-    from genrl.models.text_encoder import TextEncoder
-
-    spec = _as_dataclass(hp.get("transformer") or ModelSpec(), ModelSpec)
+    if hp.get("generator") is not None:  # family: dit (one generator spec)
+        gspec = _as_dataclass(hp["generator"], GeneratorSpec)
+        spec = ModelSpec(pretrained=gspec.pretrained, config=dict(gspec.components.get("transformer", {})))
+        hp = {**hp, "text_encoder": gspec.text_encoder or "minilm", "max_text_length": gspec.max_sequence_length or 32}
+    else:  # a run from before the one generator spec recorded its DiT as ``transformer``
+        spec = _as_dataclass(hp.get("transformer") or ModelSpec(), ModelSpec)
     base = pretrained if pretrained is not None else spec.pretrained
     if base is not None and (_resolve(base) / (spec.subfolder or "") / "config.json").is_file():
         # the recorded base folder fixes the whole config (e.g. causal_chunk_size); its weights are replaced below
@@ -217,7 +234,8 @@ def _load_dit_checkpoint(path: Path, ckpt: dict, hp: dict, *, text_encoder, use_
     else:
         if base is not None:
             warnings.warn(f"checkpoint {str(path)!r} names the base model {base!r}, which does not exist here; "
-                          f"rebuilding the transformer from its default config (pass pretrained= if loading fails)")
+                          f"rebuilding the transformer from its default config (pass pretrained= if loading fails)",
+                          stacklevel=3)
         transformer = ModelSpec(model_class=spec.model_class, config=dict(spec.config)).build()
     encoder = TextEncoder.from_pretrained(text_encoder or hp.get("text_encoder", "minilm"),
                                           max_length=hp.get("max_text_length", 32))
@@ -233,8 +251,6 @@ def _attach_schedule(generator, hp: dict) -> None:
     schedule = hp.get("schedule")
     if schedule is None:
         return
-    from genrl.rollout.autoregressive import ChunkSchedule
-
     schedule = _as_dataclass(schedule, ChunkSchedule)
     generator.schedule = schedule
     generator.causal = schedule.causal
@@ -295,8 +311,6 @@ def load_generator(
         _attach_schedule(gen, hp)
         return gen.eval()
     if (path / "model_index.json").is_file():
-        from genrl.models.families import family_class
-
         family = family_of_pipeline(path)
         if text_encoder is not None:
             raise ValueError(f"text_encoder applies to genrl's DiT only; the {family} pipeline at {str(path)!r} "
@@ -312,11 +326,7 @@ def load_generator(
     if config.is_file():
         name = json.loads(config.read_text()).get("_class_name")
         if name == "VideoDiT":
-            from genrl.models.generator import DiTGenerator
-
             gen = DiTGenerator.from_pretrained(str(path), text_encoder=text_encoder or "minilm").eval()
-            from genrl.callbacks.export import CAUSAL_SCHEDULE_FILE, EXPORT_INFO_FILE
-
             info = json.loads((path / EXPORT_INFO_FILE).read_text()) if (path / EXPORT_INFO_FILE).is_file() else {}
             gen.load_info = dict(path=str(path), kind="dit_folder", ema=bool(info.get("ema", False)), lora=False)
 

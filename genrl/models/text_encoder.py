@@ -38,11 +38,11 @@ class Conditioning:
     def __len__(self) -> int:
         return self.hidden_states.shape[0]
 
-    def to(self, device: torch.device | str) -> "Conditioning":
+    def to(self, device: torch.device | str) -> Conditioning:
         pooled = None if self.pooled is None else self.pooled.to(device)
         return Conditioning(self.hidden_states.to(device), self.attention_mask.to(device), list(self.prompts), pooled)
 
-    def select(self, rows: list[int] | torch.Tensor) -> "Conditioning":
+    def select(self, rows: list[int] | torch.Tensor) -> Conditioning:
         """The rows ``rows`` (int list or int64 tensor; repeats allowed) of every field. A Python list avoids a
         device-to-host copy for the prompt strings (the sampler passes lists)."""
         rows_list = rows.tolist() if isinstance(rows, torch.Tensor) else [int(i) for i in rows]
@@ -52,7 +52,7 @@ class Conditioning:
                             [self.prompts[i] for i in rows_list], pooled)
 
     @staticmethod
-    def cat(items: list["Conditioning"]) -> "Conditioning":
+    def cat(items: list[Conditioning]) -> Conditioning:
         """Concatenate along the batch, right-padding token dimensions to the longest.
 
         Raises:
@@ -125,7 +125,7 @@ class TextEncoder(nn.Module):
         return int(self.model.config.hidden_size)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path = MINILM, max_length: int = 32, **kwargs) -> "TextEncoder":
+    def from_pretrained(cls, path: str | Path = MINILM, max_length: int = 32, **kwargs) -> TextEncoder:
         """Load model and tokenizer from a local folder (``"minilm"`` = the bundled MiniLM-L6).
 
         Raises:

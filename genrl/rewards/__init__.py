@@ -1,4 +1,4 @@
-"""Reward-model zoo: the protocol, the registry and the rewards (DESIGN.md section 3; genrl/rewards/README.md).
+"""Reward-model zoo: the protocol, the registry and the rewards (docs/rewards.md; genrl/rewards/README.md).
 
 Importing this package registers every reward (heavy libraries load only when a reward is built):
 ``"shapes"`` (:class:`ShapesVerifier`), ``"colorfulness"``, ``"clipscore"``, ``"pickscore"``, ``"aesthetic"``,
@@ -7,6 +7,18 @@ Importing this package registers every reward (heavy libraries load only when a 
 """
 
 from genrl.rewards.base import RANGE_TOLERANCE, RewardModel
+from genrl.rewards.clip_rewards import AestheticReward, CLIPScoreReward, HPSv2Reward, PickScoreReward
+from genrl.rewards.colorfulness import ColorfulnessReward
+from genrl.rewards.image import FramePolicy, ImageRewardModel
+from genrl.rewards.image_reward import ImageRewardBLIP
+from genrl.rewards.manager import (
+    RewardManager,
+    RewardResult,
+    as_reward_spec,
+    build_reward_with_context,
+    per_reward_advantages,
+)
+from genrl.rewards.ocr import OCRReward
 from genrl.rewards.registry import (
     RewardSpec,
     UnknownRewardError,
@@ -15,21 +27,9 @@ from genrl.rewards.registry import (
     get_reward_class,
     register_reward,
 )
-from genrl.rewards.colorfulness import ColorfulnessReward
-from genrl.rewards.shapes import ShapesVerifier
-from genrl.rewards.image import FramePolicy, ImageRewardModel
-from genrl.rewards.clip_rewards import AestheticReward, CLIPScoreReward, HPSv2Reward, PickScoreReward
-from genrl.rewards.image_reward import ImageRewardBLIP
-from genrl.rewards.videoalign import VideoAlignReward
-from genrl.rewards.ocr import OCRReward
 from genrl.rewards.remote import RemoteReward
-from genrl.rewards.manager import (
-    RewardManager,
-    RewardResult,
-    as_reward_spec,
-    build_reward_with_context,
-    per_reward_advantages,
-)
+from genrl.rewards.shapes import ShapesVerifier
+from genrl.rewards.videoalign import VideoAlignReward
 
 __all__ = [
     "RANGE_TOLERANCE",

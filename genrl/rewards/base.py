@@ -1,4 +1,4 @@
-"""The reward protocol every genrl reward implements (DESIGN.md section 3, research/rewards_eval.md 5.1).
+"""The reward protocol every genrl reward implements (docs/rewards.md, The protocol).
 
 A reward is a ``torch.nn.Module`` called as::
 
@@ -222,7 +222,7 @@ class RewardModel(torch.nn.Module, metaclass=abc.ABCMeta):
         self, pixels: Tensor, prompts: list[str], dims: Sequence[str] | None = None,
         out_shape: tuple[int, int, int] | None = None, **meta: Any,
     ) -> dict[str, Tensor]:
-        """Per-pixel input-gradient maps of differentiable rewards (Stream-R1's saliency, research/ar_distill.md):
+        """Per-pixel input-gradient maps of differentiable rewards (Stream-R1's saliency, docs/planned.md):
         for each output key m, ``S_m = || d sum_b out[m][b] / d pixels ||_2`` over the channel axis.
 
         Args:

@@ -1,5 +1,5 @@
 """``genrl rewards check``: are the rewards of a config registered, and are their weight files in place?
-(research/rewards_eval.md 5.3: a missing file is reported before any training starts.)
+(A missing file is reported before any training starts; docs/rewards.md, The zoo.)
 
 Usage::
 
@@ -36,6 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import genrl.rewards
+from genrl.rewards.manager import as_reward_spec
+from genrl.rewards.registry import UnknownRewardError, available_rewards, get_reward_class
+
 __all__ = ["CheckRow", "check_specs", "load_reward_modules", "main", "rewards_from_configs"]
 
 logger = logging.getLogger(__name__)
@@ -56,8 +60,6 @@ def load_reward_modules(extra: Sequence[str] = ()) -> dict[str, str]:
     Raises:
         ImportError: an ``extra`` module cannot be imported.
     """
-    import genrl.rewards
-
     failed: dict[str, str] = {}
     for info in pkgutil.iter_modules(genrl.rewards.__path__):
         if info.name in _NOT_REWARDS or info.name.startswith("_"):
@@ -133,9 +135,6 @@ def check_specs(entries: Sequence[Any]) -> list[CheckRow]:
     Raises:
         TypeError, ValueError: a malformed entry (see :func:`genrl.rewards.as_reward_spec`).
     """
-    from genrl.rewards.manager import as_reward_spec
-    from genrl.rewards.registry import UnknownRewardError, get_reward_class
-
     rows: list[CheckRow] = []
     for entry in entries:
         spec = as_reward_spec({"name": entry} if isinstance(entry, str) else entry)
@@ -195,8 +194,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except ImportError as exc:
         print(f"genrl rewards: error: {exc}", file=sys.stderr)
         return 2
-    from genrl.rewards.registry import available_rewards, get_reward_class
-
     if args.command == "list":
         for name in available_rewards():
             cls = get_reward_class(name)

@@ -6,11 +6,11 @@ folder given as ``path=`` (``local_files_only=True``; nothing is ever downloaded
 folder or file raises ``FileNotFoundError`` listing every expected file (:meth:`RewardModel.require_weights`).
 Preprocessing (shortest side to the model's input size with antialiased bicubic, centre crop, CLIP
 normalisation) is done in torch by :func:`~genrl.rewards.preprocess.clip_preprocess`, so gradients reach the
-input pixels (research/rewards_eval.md 5.4). The reward's own networks are frozen (``requires_grad=False``)
+input pixels (docs/rewards.md, The protocol). The reward's own networks are frozen (``requires_grad=False``)
 and stay in eval mode even if a parent module is put in train mode.
 
-Each class has ``build_tiny(folder, seed=0)``: it writes a tiny random model of the same architecture, in the
-exact layout ``path=`` expects, so tests go through the real loading code.
+Tests write a tiny random model of each architecture, in the exact layout ``path=`` expects, with
+:mod:`genrl.testing.rewards` (``build_tiny("clipscore", folder)``), so they go through the real loading code.
 
 Sources: Radford et al. 2021 (CLIP); Hessel et al. 2021 (CLIPScore); Kirstain et al. 2023 (Pick-a-Pic /
 PickScore); Wu et al. 2023 (Human Preference Score v2); the LAION improved aesthetic predictor
@@ -33,7 +33,7 @@ from genrl.rewards.preprocess import CLIP_MEAN, CLIP_STD, clip_preprocess
 from genrl.rewards.registry import register_reward
 
 __all__ = ["CLIPScoreReward", "PickScoreReward", "AestheticReward", "AestheticMLP", "HPSv2Reward",
-           "tiny_clip_tokenizer"]
+           "as_dtype", "freeze", "preprocessor_norm", "projected_embedding", "build_open_clip"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -46,7 +46,13 @@ HPS_FILE = "HPS_v2.1_compressed.pt"
 OPEN_CLIP_CONFIG_FILE = "open_clip_config.json"
 
 
-def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from a dtype or its name (``"float32"`` / ``"fp32"``, ``"bfloat16"`` / ``"bf16"``,
+    ``"float16"`` / ``"fp16"``).
+
+    Raises:
+        ValueError: an unknown name (lists the known ones).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
@@ -55,7 +61,7 @@ def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}") from None
 
 
-def _projected(out: Any) -> Tensor:
+def projected_embedding(out: Any) -> Tensor:
     """The projected embedding from a transformers CLIP call: a tensor (transformers 4), ``image_embeds`` /
     ``text_embeds`` (``*WithProjection`` models) or ``pooler_output`` (transformers 5 ``get_*_features``)."""
     if isinstance(out, Tensor):
@@ -79,67 +85,7 @@ def _unique(prompts: list[str]) -> tuple[list[str], Tensor]:
     return uniq, torch.tensor([pos[p] for p in prompts], dtype=torch.long)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2 / CLIP byte-level BPE alphabet: printable bytes map to themselves, the rest to code points >= 256."""
-    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), 256))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
-def tiny_clip_tokenizer():
-    """A CLIP tokenizer (transformers ``CLIPTokenizer``) with a byte-level vocabulary and no merges (514 ids:
-    256 bytes, 256 word-final bytes, ``<|startoftext|>``, ``<|endoftext|>``): the same tokenizer class and file
-    layout as real CLIP folders, without any download. For ``build_tiny`` only."""
-    from transformers import CLIPTokenizer
-
-    chars = list(_bytes_to_unicode().values())
-    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[])
-
-
-def _tiny_hf_clip_config(vocab_size: int, bos: int, eos: int, pad: int, image_size: int = 32,
-                         projection_dim: int = 16):
-    from transformers import CLIPConfig
-
-    text = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=2, max_position_embeddings=77, bos_token_id=bos, eos_token_id=eos,
-                pad_token_id=pad)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  image_size=image_size, patch_size=8)
-    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
-
-
-def _write_tiny_hf_clip(folder: Path, seed: int, with_tokenizer: bool = True, vision_only: bool = False) -> None:
-    """Save a tiny random transformers CLIP (config.json, model.safetensors, preprocessor_config.json and,
-    with ``with_tokenizer``, tokenizer.json / tokenizer_config.json) to ``folder``."""
-    from transformers import CLIPImageProcessor, CLIPModel, CLIPVisionModelWithProjection
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = tiny_clip_tokenizer()
-    cfg = _tiny_hf_clip_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if vision_only:
-            vcfg = cfg.vision_config
-            vcfg.projection_dim = cfg.projection_dim
-            model = CLIPVisionModelWithProjection(vcfg)
-        else:
-            model = CLIPModel(cfg)
-    model.save_pretrained(folder)
-    size = cfg.vision_config.image_size
-    CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                       image_mean=list(CLIP_MEAN), image_std=list(CLIP_STD)).save_pretrained(folder)
-    if with_tokenizer:
-        tok.save_pretrained(folder)
-
-
-def _hf_norm(folder: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def preprocessor_norm(folder: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Normalisation constants from ``preprocessor_config.json`` if the folder has one, else OpenAI CLIP's."""
     cfg_file = folder / "preprocessor_config.json"
     if cfg_file.is_file():
@@ -148,7 +94,8 @@ def _hf_norm(folder: Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return CLIP_MEAN, CLIP_STD
 
 
-def _freeze(module: nn.Module) -> nn.Module:
+def freeze(module: nn.Module) -> nn.Module:
+    """``module`` in eval mode with ``requires_grad=False`` (returned for chaining)."""
     module.eval()
     module.requires_grad_(False)
     return module
@@ -201,32 +148,24 @@ class _HFClipReward(_FrozenImageReward):
         folder = Path(self.path)
         from transformers import CLIPModel, CLIPTokenizer
 
-        self.clip = _freeze(CLIPModel.from_pretrained(folder, local_files_only=True, dtype=_as_dtype(dtype)))
+        self.clip = freeze(CLIPModel.from_pretrained(folder, local_files_only=True, dtype=as_dtype(dtype)))
         self.tokenizer = CLIPTokenizer.from_pretrained(folder, local_files_only=True)
         self.image_size = int(self.clip.config.vision_config.image_size)
         self.max_length = int(self.clip.config.text_config.max_position_embeddings)
-        self.mean, self.std = _hf_norm(folder)
+        self.mean, self.std = preprocessor_norm(folder)
 
     def _cosines(self, images: Tensor, prompts: list[str]) -> Tensor:
         """cos(image embedding, text embedding) per image, float32 [N]; the graph reaches ``images``."""
         p = self._param()
         x = clip_preprocess(images.float(), size=self.image_size, mean=self.mean, std=self.std)
-        img = _projected(self.clip.get_image_features(pixel_values=x.to(device=p.device, dtype=p.dtype)))
+        img = projected_embedding(self.clip.get_image_features(pixel_values=x.to(device=p.device, dtype=p.dtype)))
         uniq, index = _unique(prompts)
         with torch.no_grad():
             tok = self.tokenizer(uniq, padding=True, truncation=True, max_length=self.max_length,
                                  return_tensors="pt")
-            txt = _projected(self.clip.get_text_features(input_ids=tok["input_ids"].to(p.device),
+            txt = projected_embedding(self.clip.get_text_features(input_ids=tok["input_ids"].to(p.device),
                                                          attention_mask=tok["attention_mask"].to(p.device)))
         return _cosine(img, txt[index.to(p.device)]).to(images.device)
-
-    @classmethod
-    def build_tiny(cls, folder: str | Path, seed: int = 0) -> Path:
-        """Write a tiny random CLIPModel (2 layers, width 32, 32 px images, 16-d projection, 77 text positions)
-        with a byte-level CLIP tokenizer to ``folder`` in the layout ``path=`` expects; returns the folder."""
-        folder = Path(folder)
-        _write_tiny_hf_clip(folder, seed)
-        return folder
 
 
 @register_reward("clipscore")
@@ -357,18 +296,18 @@ class AestheticReward(_FrozenImageReward):
         clip_dir = folder / "clip"
         model_type = json.loads((clip_dir / "config.json").read_text()).get("model_type", "clip")
         if model_type == "clip":
-            clip = CLIPModel.from_pretrained(clip_dir, local_files_only=True, dtype=_as_dtype(dtype))
+            clip = CLIPModel.from_pretrained(clip_dir, local_files_only=True, dtype=as_dtype(dtype))
             vision_cfg, proj_dim, self._vision_only = clip.config.vision_config, clip.config.projection_dim, False
         elif model_type == "clip_vision_model":
             clip = CLIPVisionModelWithProjection.from_pretrained(clip_dir, local_files_only=True,
-                                                                 dtype=_as_dtype(dtype))
+                                                                 dtype=as_dtype(dtype))
             vision_cfg, proj_dim, self._vision_only = clip.config, clip.config.projection_dim, True
         else:
             raise ValueError(f"reward 'aesthetic': {clip_dir / 'config.json'} has model_type {model_type!r}; "
                              f"expected a CLIP model ('clip' or 'clip_vision_model')")
-        self.clip = _freeze(clip)
+        self.clip = freeze(clip)
         self.image_size = int(vision_cfg.image_size)
-        self.mean, self.std = _hf_norm(clip_dir)
+        self.mean, self.std = preprocessor_norm(clip_dir)
         state = torch.load(folder / AESTHETIC_HEAD_FILE, map_location="cpu", weights_only=True)
         if isinstance(state, dict) and "state_dict" in state:
             state = state["state_dict"]
@@ -382,28 +321,15 @@ class AestheticReward(_FrozenImageReward):
                              f"{clip_dir} projects to {proj_dim}-d; the head needs CLIP ViT-L/14 (768-d)")
         mlp = AestheticMLP(first.shape[1])
         mlp.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-        self.mlp = _freeze(mlp)
+        self.mlp = freeze(mlp)
 
     def score_images(self, images: Tensor, prompts: list[str], **meta: Any) -> dict[str, Tensor]:
         p = self._param()
         x = clip_preprocess(images.float(), size=self.image_size, mean=self.mean, std=self.std)
         x = x.to(device=p.device, dtype=p.dtype)
         out = self.clip(pixel_values=x) if self._vision_only else self.clip.get_image_features(pixel_values=x)
-        emb = F.normalize(_projected(out).float(), dim=-1)
+        emb = F.normalize(projected_embedding(out).float(), dim=-1)
         return {"reward": self.mlp(emb).squeeze(-1).to(images.device)}
-
-    @classmethod
-    def build_tiny(cls, folder: str | Path, seed: int = 0, vision_only: bool = False) -> Path:
-        """Write a tiny random CLIP (16-d projection; ``vision_only``: a CLIPVisionModelWithProjection) to
-        ``folder/clip`` and a random 16-1024-128-64-16-1 :class:`AestheticMLP` state dict next to it;
-        returns the folder."""
-        folder = Path(folder)
-        _write_tiny_hf_clip(folder / "clip", seed, with_tokenizer=False, vision_only=vision_only)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + 1)
-            mlp = AestheticMLP(16)
-        torch.save(mlp.state_dict(), folder / AESTHETIC_HEAD_FILE)
-        return folder
 
 
 def _import_open_clip():
@@ -414,15 +340,7 @@ def _import_open_clip():
     return open_clip
 
 
-#: the architecture of ``HPSv2Reward.build_tiny`` (open_clip model_cfg; vocab 49408 = open_clip's BPE)
-TINY_OPEN_CLIP_CFG: dict[str, Any] = {
-    "embed_dim": 16,
-    "vision_cfg": {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8},
-    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
-}
-
-
-def _build_open_clip(cfg: dict[str, Any]):
+def build_open_clip(cfg: dict[str, Any]):
     """A random-init open_clip ``CLIP`` from a model_cfg dict (plain ViT / text transformer towers only)."""
     open_clip = _import_open_clip()
     unsupported = [k for k in ("custom_text", "multimodal_cfg") if cfg.get(k)]
@@ -448,9 +366,9 @@ class HPSv2Reward(_FrozenImageReward):
     a dict with ``"state_dict"`` or a bare state dict; a DDP ``module.`` prefix is stripped). The laion
     ViT-H-14 base weights are not needed. The architecture is open_clip's bundled ``"ViT-H-14"`` config built
     with no pretrained weights (nothing is downloaded), unless ``arch`` is given or the folder holds an
-    ``open_clip_config.json`` (open_clip's local-dir format, ``{"model_cfg": {...}}``; ``build_tiny`` writes
-    one). Text goes through open_clip's own BPE tokenizer, whose vocabulary ships inside open_clip (the
-    ``hpsv2`` wheel lacks it, tgxs002/HPSv2#30), truncated at the context length (77).
+    ``open_clip_config.json`` (open_clip's local-dir format, ``{"model_cfg": {...}}``; the tiny test model of
+    ``genrl.testing.rewards`` has one). Text goes through open_clip's own BPE tokenizer, whose vocabulary ships
+    inside open_clip (the ``hpsv2`` wheel lacks it, tgxs002/HPSv2#30), truncated at the context length (77).
     Preprocessing: shortest side to the model's image size (224), centre crop, OpenAI CLIP mean / std.
 
     Args:
@@ -491,7 +409,7 @@ class HPSv2Reward(_FrozenImageReward):
             self.arch = "custom"
             cfg = arch
         cfg = dict(cfg.get("model_cfg", cfg))
-        model = _build_open_clip(cfg)
+        model = build_open_clip(cfg)
         ckpt = torch.load(folder / HPS_FILE, map_location="cpu", weights_only=weights_only)
         state = ckpt["state_dict"] if isinstance(ckpt, dict) and "state_dict" in ckpt else ckpt
         if not isinstance(state, dict):
@@ -502,7 +420,7 @@ class HPSv2Reward(_FrozenImageReward):
             raise RuntimeError(
                 f"reward 'hpsv2': {folder / HPS_FILE} does not match the {self.arch!r} architecture: "
                 f"{len(missing)} missing keys {missing[:5]}, {len(unexpected)} unexpected keys {unexpected[:5]}")
-        self.clip = _freeze(model.to(_as_dtype(dtype)))
+        self.clip = freeze(model.to(as_dtype(dtype)))
         self.tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=model.context_length)
         if model.vocab_size < len(self.tokenizer.encoder):
             raise ValueError(f"reward 'hpsv2': the text tower has {model.vocab_size} tokens but open_clip's BPE "
@@ -522,22 +440,6 @@ class HPSv2Reward(_FrozenImageReward):
             txt = self.clip.encode_text(self.tokenizer(uniq).to(p.device))
         cos = _cosine(img, txt[index.to(p.device)]).to(images.device)
         return {"reward": cos, "score_x100": 100.0 * cos}
-
-    @classmethod
-    def build_tiny(cls, folder: str | Path, seed: int = 0, model_cfg: dict | None = None) -> Path:
-        """Write a tiny random open_clip CLIP (``model_cfg``, default :data:`TINY_OPEN_CLIP_CFG`: 2-layer towers,
-        width 32, 32 px, 16-d embeddings, open_clip's 49408-token vocabulary) to ``folder`` as
-        ``HPS_v2.1_compressed.pt`` (``{"state_dict": ...}``) plus ``open_clip_config.json``; returns the folder.
-        Real HPSv2.1 weights use the "ViT-H-14" architecture instead."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        cfg = dict(model_cfg or TINY_OPEN_CLIP_CFG)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = _build_open_clip(cfg)
-        torch.save({"state_dict": model.state_dict()}, folder / HPS_FILE)
-        (folder / OPEN_CLIP_CONFIG_FILE).write_text(json.dumps({"model_cfg": cfg}, indent=2))
-        return folder
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, arch={self.arch!r}"

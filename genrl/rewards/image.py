@@ -2,7 +2,7 @@
 
 An image reward (CLIPScore, PickScore, HPSv2, ImageReward, aesthetic, OCR, ...) implements
 ``score_images(images [N, 3, H, W], prompts [N]) -> {key: [N]}``. :class:`ImageRewardModel` turns it into a
-video reward (research/rewards_eval.md 5.5): it picks frames with its :class:`FramePolicy` (all frames, k
+video reward (docs/rewards.md, The protocol): it picks frames with its :class:`FramePolicy` (all frames, k
 random frames, or every ``stride``-th frame; Flow-GRPO's video OCR scores every 4th frame, VADER one
 random frame), scores them as a batch of images in chunks of ``max_batch``, and reduces over frames (mean or
 min). An image is a one-frame video, so the same class scores images and videos.
@@ -17,8 +17,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from genrl.noise import mix_seed
 from genrl.rewards.base import RewardModel
-from genrl.rollout.noise import mix_seed
 
 __all__ = ["FramePolicy", "ImageRewardModel", "select_frames"]
 

@@ -31,8 +31,8 @@ zai-org/ImageReward#28, #113)::
 
 :func:`convert_state_dict` maps the original keys onto the transformers modules, and the model is loaded
 with ``strict=True``, so a checkpoint that does not match fails with the offending keys named (the reference
-loads with ``strict=False`` and would silently score with random weights). :func:`build_tiny` writes a tiny
-random instance in the same layout for tests.
+loads with ``strict=False`` and would silently score with random weights). For tests,
+:func:`genrl.testing.rewards.build_tiny_imagereward` writes a tiny random instance in the same layout.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from genrl.rewards.preprocess import CLIP_MEAN, CLIP_STD, clip_preprocess
 from genrl.rewards.registry import register_reward
 
 __all__ = ["ImageRewardBLIP", "ImageRewardHead", "CheckpointMismatchError", "convert_state_dict", "original_key",
-           "build_tiny", "IMAGEREWARD_MEAN", "IMAGEREWARD_STD", "CHECKPOINT_FILE", "MED_CONFIG_FILE", "TOKENIZER_DIR"]
+           "IMAGEREWARD_MEAN", "IMAGEREWARD_STD", "CHECKPOINT_FILE", "MED_CONFIG_FILE", "TOKENIZER_DIR"]
 
 #: z-scoring constants of ImageReward.py (the raw head output's mean and std over the authors' reference set).
 IMAGEREWARD_MEAN = 0.16717362830052426
@@ -163,7 +163,8 @@ def convert_state_dict(state: dict[str, Tensor], expected: set[str] | None = Non
 class ImageRewardHead(nn.Module):
     """ImageReward's linear MLP ``d-1024-128-64-16-1`` (no activations; dropout 0.2, 0.2, 0.1 after the first
     three layers, identity in eval mode). The layer indices 0, 2, 4, 6, 7 match the checkpoint's
-    ``mlp.layers.*``; widths are read from the checkpoint, so :func:`build_tiny` can shrink them.
+    ``mlp.layers.*``; widths are read from the checkpoint, so the tiny test model
+    (:func:`genrl.testing.rewards.build_tiny_imagereward`) can shrink them.
 
     Maps float [N, d] -> float [N, 1].
     """
@@ -369,11 +370,6 @@ class ImageRewardBLIP(ImageRewardModel):
             module.eval()
         return self
 
-    @classmethod
-    def build_tiny(cls, folder: str | Path, seed: int = 0) -> Path:
-        """:func:`build_tiny`: a tiny random instance in the real layout; ``path=`` loads it."""
-        return build_tiny(folder, seed=seed)
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, path={self.path!r}, image_size={self.image_size}"
 
@@ -403,93 +399,3 @@ class ImageRewardBLIP(ImageRewardModel):
         ids, mask = self.tokenize(prompts, device)
         raw = self.raw_score(self.preprocess(images.to(device=device, dtype=torch.float32)), ids, mask)
         return {"reward": (raw - self.reward_mean) / self.reward_std, "raw": raw}
-
-
-# ---------------------------------------------------------------------- tiny instance for tests
-_TINY_WORDS = ("a an the of in on with and photo picture painting cat dog horse car tree house red green blue "
-               "white black big small sunset mountain city beach portrait astronaut , .").split()
-
-
-def build_tiny(folder: str | Path, seed: int = 0, vision_width: int = 128, text_width: int = 64,
-               layers: int = 2, image_size: int = 32, patch_size: int = 8) -> Path:
-    """Write a tiny random ImageReward in the real on-disk layout (see :class:`ImageRewardBLIP`).
-
-    ``ImageReward.pt`` holds a state dict in the ORIGINAL BLIP key naming (including the unused
-    ``vision_proj`` / ``text_proj`` and ``position_ids`` of the real file); ``med_config.json`` is a BertConfig
-    in BLIP's format (``encoder_width`` 768 as in the real file, overridden by the ViT width at load);
-    ``bert-base-uncased/`` is a WordPiece tokenizer over a small vocabulary (vocab.txt, tokenizer.json,
-    tokenizer_config.json). Loading it goes through the same checks, converter and scoring path as real weights.
-
-    Args:
-        folder: created if needed. seed: weights are a pure function of it.
-        vision_width: ViT width (a multiple of 64: BLIP's head width); text_width: BERT width (2 heads).
-        layers: blocks of both encoders. image_size / patch_size: the ViT input (preprocessing follows it).
-    Returns:
-        the folder.
-    """
-    from transformers import BertTokenizer
-
-    folder = Path(folder)
-    (folder / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape: int, std: float = 0.02) -> Tensor:
-        return torch.randn(*shape, generator=g) * std
-
-    def norm(d: int) -> tuple[Tensor, Tensor]:
-        return 1.0 + rnd(d, std=0.1), rnd(d, std=0.1)
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab = specials + _TINY_WORDS + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
-    vocab_size = len(vocab) + 2  # + [DEC], [ENC], as the real 30522 + 2 = 30524
-    max_pos = 64
-    state: dict[str, Tensor] = {}
-    v, t, inter_v, inter_t = vision_width, text_width, 2 * vision_width, 2 * text_width
-    pre = "blip.visual_encoder."
-    state[pre + "cls_token"] = rnd(1, 1, v)
-    state[pre + "pos_embed"] = rnd(1, (image_size // patch_size) ** 2 + 1, v)
-    state[pre + "patch_embed.proj.weight"] = rnd(v, 3, patch_size, patch_size, std=0.1)
-    state[pre + "patch_embed.proj.bias"] = rnd(v)
-    for n in range(layers):
-        b = f"{pre}blocks.{n}."
-        for name, (i, o) in {"attn.qkv": (v, 3 * v), "attn.proj": (v, v), "mlp.fc1": (v, inter_v),
-                             "mlp.fc2": (inter_v, v)}.items():
-            state[b + name + ".weight"], state[b + name + ".bias"] = rnd(o, i, std=i**-0.5), rnd(o)
-        for name in ("norm1", "norm2"):
-            state[b + name + ".weight"], state[b + name + ".bias"] = norm(v)
-    state[pre + "norm.weight"], state[pre + "norm.bias"] = norm(v)
-
-    pre = "blip.text_encoder."
-    state[pre + "embeddings.word_embeddings.weight"] = rnd(vocab_size, t, std=0.5)
-    state[pre + "embeddings.position_embeddings.weight"] = rnd(max_pos, t, std=0.5)
-    state[pre + "embeddings.position_ids"] = torch.arange(max_pos).unsqueeze(0)
-    state[pre + "embeddings.LayerNorm.weight"], state[pre + "embeddings.LayerNorm.bias"] = norm(t)
-    for n in range(layers):
-        b = f"{pre}encoder.layer.{n}."
-        for att, kv_in in (("attention", t), ("crossattention", v)):
-            for name, i in (("self.query", t), ("self.key", kv_in), ("self.value", kv_in), ("output.dense", t)):
-                state[f"{b}{att}.{name}.weight"], state[f"{b}{att}.{name}.bias"] = rnd(t, i, std=i**-0.5), rnd(t)
-            state[f"{b}{att}.output.LayerNorm.weight"], state[f"{b}{att}.output.LayerNorm.bias"] = norm(t)
-        for name, (i, o) in {"intermediate.dense": (t, inter_t), "output.dense": (inter_t, t)}.items():
-            state[b + name + ".weight"], state[b + name + ".bias"] = rnd(o, i, std=i**-0.5), rnd(o)
-        state[b + "output.LayerNorm.weight"], state[b + "output.LayerNorm.bias"] = norm(t)
-    state["blip.vision_proj.weight"], state["blip.vision_proj.bias"] = rnd(16, v), rnd(16)
-    state["blip.text_proj.weight"], state["blip.text_proj.bias"] = rnd(16, t), rnd(16)
-    widths = (t, 32, 16, 8, 4, 1)
-    for idx, (i, o) in zip((0, 2, 4, 6, 7), zip(widths[:-1], widths[1:])):
-        state[f"mlp.layers.{idx}.weight"], state[f"mlp.layers.{idx}.bias"] = rnd(o, i, std=i**-0.5), rnd(o, std=0.1)
-    torch.save(state, folder / CHECKPOINT_FILE)
-
-    med = {
-        "architectures": ["BertModel"], "attention_probs_dropout_prob": 0.1, "hidden_act": "gelu",
-        "hidden_dropout_prob": 0.1, "hidden_size": t, "initializer_range": 0.02, "intermediate_size": inter_t,
-        "layer_norm_eps": 1e-12, "max_position_embeddings": max_pos, "model_type": "bert",
-        "num_attention_heads": 2, "num_hidden_layers": layers, "pad_token_id": 0, "type_vocab_size": 2,
-        "vocab_size": vocab_size, "encoder_width": 768, "add_cross_attention": True,
-    }
-    (folder / MED_CONFIG_FILE).write_text(json.dumps(med, indent=2) + "\n")
-
-    tok_dir = folder / TOKENIZER_DIR
-    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True).save_pretrained(str(tok_dir))
-    (tok_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    return folder

@@ -1,5 +1,5 @@
-"""Reward manager: the rewards of a method, scored in chunks and combined (DESIGN.md section 3,
-research/rewards_eval.md 5.6 and 5.7).
+"""Reward manager: the rewards of a method, scored in chunks and combined
+(docs/rewards.md, The RewardManager).
 
 A :class:`RewardManager` is a plain Python object, **not** a ``torch.nn.Module``. A method keeps it as an
 ordinary attribute, so the reward models are not children of the LightningModule: they are not wrapped
@@ -59,16 +59,14 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
-
 from torch import Tensor
 
 from genrl.flow.policy import group_advantages, group_stats
-
 from genrl.rewards.base import RewardModel
 from genrl.rewards.registry import RewardSpec, get_reward_class
 

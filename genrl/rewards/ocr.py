@@ -1,5 +1,5 @@
-"""OCR reward ``"ocr"``: does the image show the text the prompt quotes? (Flow-GRPO's text-rendering reward,
-research/rewards_eval.md sections 1 and 8.)
+"""OCR reward ``"ocr"``: does the image show the text the prompt quotes? (Flow-GRPO's text-rendering reward;
+docs/rewards.md, The zoo.)
 
 Target text: the text between the first pair of double quotes of the prompt (``'a sign that says "Hello
 World"'`` -> ``Hello World``; typographic quotes ``“...”`` are accepted when there are no ASCII ones), or
@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor

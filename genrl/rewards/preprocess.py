@@ -2,7 +2,7 @@
 
 Reference scorers (flow_grpo, DanceGRPO) convert to PIL / uint8 before the processor, which breaks the
 gradient and quantises; genrl builds the same transform in torch from the processor constants
-(research/rewards_eval.md 5.4): resize the shortest side with antialiased bicubic interpolation, centre-crop,
+(docs/rewards.md, The protocol): resize the shortest side with antialiased bicubic interpolation, centre-crop,
 normalise. :func:`pil_reference` is the PIL path (what ``transformers`` CLIP processors and open_clip's
 validation transform do) that the tests compare against.
 """

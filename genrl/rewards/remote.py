@@ -1,4 +1,4 @@
-"""Reward ``"remote"``: a reward scored by a genrl reward server (research/rewards_eval.md 5.8), plus the wire
+"""Reward ``"remote"``: a reward scored by a genrl reward server (docs/rewards.md, The reward server), plus the wire
 format both sides use.
 
 Start a server (loopback only by default; see :mod:`genrl.rewards.server`)::

@@ -1,5 +1,5 @@
 """A loopback reward server: one genrl reward behind HTTP, for :class:`~genrl.rewards.remote.RemoteReward`
-(research/rewards_eval.md 5.8; the role of Flow-GRPO's yifan123/reward-server, without its pickle / JPEG).
+(docs/rewards.md, The reward server; the role of Flow-GRPO's yifan123/reward-server, without its pickle / JPEG).
 
 Run::
 
@@ -45,15 +45,19 @@ import math
 import socket
 import sys
 import threading
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+import genrl.rewards  # noqa: F401  (registers the built-in rewards)
 from genrl.rewards.base import RewardModel
+from genrl.rewards.check import load_reward_modules
 from genrl.rewards.manager import slice_meta
+from genrl.rewards.registry import available_rewards, build_reward
 from genrl.rewards.remote import PROTOCOL, decode_score_request
 
 __all__ = ["RewardServer", "RewardService", "build_service", "check_host", "main", "weights_sha256"]
@@ -334,8 +338,6 @@ def build_service(name: str, path: str | None = None, kwargs: dict[str, Any] | N
     Raises:
         UnknownRewardError, TypeError, ValueError, FileNotFoundError, ImportError: from the reward.
     """
-    from genrl.rewards.registry import build_reward
-
     reward = build_reward(name, path, **(kwargs or {}))
     return RewardService(reward, batch_size=batch_size, device=device,
                          weights_hash=None if hash_weights else "skipped", path=path)
@@ -370,8 +372,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 after Ctrl-C; 2 for a bad argument or a reward that cannot be built (message on stderr).
     """
-    from genrl.rewards.check import load_reward_modules
-
     args = _parser().parse_args(list(argv) if argv is not None else None)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -380,9 +380,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(kwargs, dict):
             raise ValueError(f"--kwargs must be a JSON object, got {args.kwargs!r}")
         check_host(args.host, args.allow_remote)
-        import genrl.rewards  # noqa: F401  (the built-ins)
-        from genrl.rewards.registry import available_rewards
-
         for module in args.imports:
             importlib.import_module(module)
         if args.reward not in available_rewards():  # import the other reward modules only when needed

@@ -1,4 +1,5 @@
-"""Exact verifier rewards for the shapes world (DESIGN.md section 4): they play GenEval's / VBench's role.
+"""Exact verifier rewards for the shapes world: they play GenEval's / VBench's role (docs/architecture.md,
+The shapes world).
 
 :class:`ShapesVerifier` reads only pixels (never the hidden :class:`~genrl.data.shapes.ShapeSpec`) and checks
 them against the caption. Per frame it computes foreground weights from intensity,

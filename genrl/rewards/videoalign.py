@@ -7,7 +7,7 @@ prompt_template.py, vision_process.py from qwen-vl-utils), weights ``KwaiVGI/Vid
 KlingTeam/VideoReward) on top of ``Qwen/Qwen2-VL-2B-Instruct``. DanceGRPO vendors the same code under
 fastvideo/models/videoalign. Nothing is downloaded here: the checkpoint and the base model are local folders.
 
-Reference facts this port follows (research/rewards_eval.md section 2; ar_distill.md "Saliency"):
+Reference facts this port follows (the VideoAlign release; the saliency use of Stream-R1, docs/planned.md):
 
 * **Prompt.** ``build_prompt(prompt, eval_dim, "detailed_special")``: a fixed instruction (:data:`DETAILED_PROMPT`)
   with ``<|VQ_reward|>``, ``<|MQ_reward|>`` and ``<|TA_reward|>`` at the end of its three sections, in that
@@ -91,8 +91,9 @@ __all__ = [
     "VideoAlignReward",
     "VideoInputs",
     "build_prompt",
-    "build_tiny",
+    "current_to_legacy_key",
     "frame_indices",
+    "lora_target_names",
     "mrope_position_ids",
     "smart_nframes",
     "smart_resize",
@@ -328,7 +329,8 @@ def _legacy_to_current(key: str) -> str:
     return prefix + tail
 
 
-def _current_to_legacy(key: str) -> str:
+def current_to_legacy_key(key: str) -> str:
+    """A current (transformers >= 4.50) Qwen2-VL state-dict key in the legacy naming of VideoAlign's checkpoints."""
     prefix, tail = (_LEGACY_PREFIX, key[len(_LEGACY_PREFIX):]) if key.startswith(_LEGACY_PREFIX) else ("", key)
     if tail.startswith("model.visual."):
         tail = tail[len("model."):]
@@ -349,7 +351,7 @@ def _insert_adapter_name(key: str, adapter: str = "default") -> str:
     return key[:i] + head + "." + adapter + (dot + rest if dot else "")
 
 
-def _lora_targets(model: torch.nn.Module, exclude: Sequence[str], num_modules: int = -1) -> list[str]:
+def lora_target_names(model: torch.nn.Module, exclude: Sequence[str], num_modules: int = -1) -> list[str]:
     """VideoAlign train_reward.py ``find_target_linear_names``: every Linear / Embedding whose name contains no
     excluded keyword (the last ``num_modules`` of them when positive)."""
     names = [name for name, m in model.named_modules()
@@ -607,7 +609,7 @@ class VideoAlignReward(RewardModel):
             exclude = _as_list(lora_cfg.get("lora_namespan_exclude"))
             if not lora_cfg.get("vision_lora", False) and "visual" not in exclude:
                 exclude.append("visual")
-            targets = _lora_targets(model, exclude, int(lora_cfg.get("num_lora_modules", -1) or -1))
+            targets = lora_target_names(model, exclude, int(lora_cfg.get("num_lora_modules", -1) or -1))
             peft_cfg = LoraConfig(
                 target_modules=targets, r=int(lora_cfg.get("lora_r", 16)),
                 lora_alpha=int(lora_cfg.get("lora_alpha", 32)),
@@ -812,132 +814,3 @@ class VideoAlignReward(RewardModel):
         return (f"{super().extra_repr()}, checkpoint={str(self.checkpoint)!r}, output_dim={self.output_dim}, "
                 f"sample_fps={self.sample_fps}, num_frames={self.num_frames}, pixels=[{self.min_pixels}, "
                 f"{self.max_pixels}], standardized={self.standardized}, weights={self.weights}")
-
-
-# ---------------------------------------------------------------------------------------------------- tiny instance
-_QWEN2VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
-    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
-    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
-    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
-    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
-    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
-    "<|im_start|>assistant\n{% endif %}"
-)
-_QWEN2VL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                     "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-                     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-#: statistics written into the tiny model_config.json
-TINY_STATS = {"VQ_mean": 0.25, "VQ_std": 2.0, "MQ_mean": -0.5, "MQ_std": 0.5, "TA_mean": 1.5, "TA_std": 4.0}
-
-
-def build_tiny(folder: str | Path, seed: int = 0, output_dim: int = 1, layout: str = "lora",
-               step: int = 2, hidden_size: int = 32) -> str:
-    """Write a tiny random VideoReward in the released on-disk layout; returns ``folder``.
-
-    ``folder/Qwen2-VL-2B-Instruct/`` is a 2-layer Qwen2-VL (hidden ``hidden_size``, a 1-block vision tower with
-    2-pixel patches, merge 2: factor 4) saved with the Qwen2-VL-2B file set (config.json, model.safetensors
-    with the pre-4.50 key names, a byte-level BPE tokenizer.json with the Qwen2-VL control tokens,
-    preprocessor_config.json, chat_template.json). ``folder/model_config.json`` carries the VideoAlign sections
-    (fps 2, frame pixels in [64, 576], LoRA r 4, the :data:`TINY_STATS` statistics) and
-    ``folder/checkpoint-<step>/`` either the LoRA layout (``layout="lora"``: adapter_model.safetensors +
-    adapter_config.json written by PEFT, non_lora_state_dict.pth with the head and the resized embedding) or
-    the released one (``layout="full"``: model.pth). Keys use the legacy (transformers < 4.50) names, like
-    VideoAlign's checkpoints. Same ``seed`` (and arguments), same files.
-    """
-    from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file, save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    if layout not in ("lora", "full"):
-        raise ValueError(f"layout must be 'lora' or 'full', got {layout!r}")
-    root = Path(folder)
-    base = root / "Qwen2-VL-2B-Instruct"
-    ckpt = root / f"checkpoint-{step}"
-    base.mkdir(parents=True, exist_ok=True)
-    ckpt.mkdir(parents=True, exist_ok=True)
-
-    # tokenizer: byte-level BPE trained on the instruction (any text encodes; the template stays short)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=list(_QWEN2VL_SPECIALS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([DETAILED_PROMPT, _QWEN2VL_CHAT_TEMPLATE, "You are a helpful assistant."], trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  model_max_length=32768)
-    tok.save_pretrained(base)
-    ids = {t: bpe.token_to_id(t) for t in _QWEN2VL_SPECIALS}
-    (base / "preprocessor_config.json").write_text(json.dumps({
-        "min_pixels": 16, "max_pixels": 64 * 64, "patch_size": 2, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"}, indent=2))
-    (base / "chat_template.json").write_text(json.dumps({"chat_template": _QWEN2VL_CHAT_TEMPLATE}, indent=2))
-
-    torch.manual_seed(seed)
-    vocab = len(tok) + 7  # like Qwen2-VL-2B: the embedding has more rows than the tokenizer
-    heads = 4
-    cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=2,
-                         max_position_embeddings=32768, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
-                         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=2,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
-    )
-    model = Qwen2VLForConditionalGeneration(cfg).eval()
-    model.save_pretrained(base)
-    weights = load_file(str(base / "model.safetensors"))
-    save_file({_current_to_legacy(k): v.contiguous() for k, v in weights.items()}, str(base / "model.safetensors"),
-              metadata={"format": "pt"})
-
-    # the VideoAlign model: reward tokens, resized embedding, head, LoRA
-    tok.add_tokens(list(REWARD_TOKENS), special_tokens=True)
-    model.resize_token_embeddings(len(tok), mean_resizing=False)
-    model.rm_head = torch.nn.Linear(hidden_size, output_dim, bias=False)
-    with torch.no_grad():
-        model.model.language_model.embed_tokens.weight[-3:].normal_(0.0, 1.0)
-        model.rm_head.weight.normal_(0.0, 1.0)
-    exclude = ["lm_head", "rm_head", "embed_tokens"]
-    lora_cfg = LoraConfig(target_modules=_lora_targets(model, exclude + ["visual"]), r=4, lora_alpha=8,
-                          lora_dropout=0.05, bias="none", task_type="CAUSAL_LM")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        peft_model = get_peft_model(model, lora_cfg)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2)
-    if layout == "lora":
-        peft_model.save_pretrained(ckpt)
-        lora = load_file(str(ckpt / "adapter_model.safetensors"))
-        save_file({_current_to_legacy(k): v.contiguous() for k, v in lora.items()},
-                  str(ckpt / "adapter_model.safetensors"), metadata={"format": "pt"})
-        non_lora = {_current_to_legacy(k): v.detach().clone() for k, v in peft_model.state_dict().items()
-                    if "rm_head" in k or "embed_tokens" in k}
-        torch.save(non_lora, ckpt / "non_lora_state_dict.pth")
-    else:
-        full = {_current_to_legacy(k): v.detach().clone() for k, v in peft_model.state_dict().items()}
-        torch.save(full, ckpt / "model.pth")
-
-    (root / "model_config.json").write_text(json.dumps({
-        "data_config": {"meta_data": "/path/to/dataset/meta_data.csv", "data_dir": "/path/to/dataset",
-                        "max_frame_pixels": 24 * 24, "min_frame_pixels": 8 * 8, "num_frames": None, "fps": 2.0,
-                        "eval_dim": ["VQ", "MQ", "TA"], "prompt_template_type": "detailed_special",
-                        "sample_type": "uniform"},
-        "model_config": {"model_name_or_path": "./Qwen2-VL-2B-Instruct", "output_dim": output_dim,
-                         "use_special_tokens": True, "reward_token": "special", "loss_type": "btt"},
-        "peft_lora_config": {"lora_enable": True, "vision_lora": False, "lora_r": 4, "lora_alpha": 8,
-                             "lora_dropout": 0.05, "lora_target_modules": None, "lora_namespan_exclude": exclude,
-                             "lora_modules_to_save": None, "lora_task_type": "CAUSAL_LM", "use_rslora": False,
-                             "num_lora_modules": -1},
-        "inference_config": dict(TINY_STATS),
-    }, indent=2))
-    return str(root)

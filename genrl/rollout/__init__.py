@@ -1,6 +1,6 @@
 """The rollout sampler: addressable noise, step kernels, trajectories (shared by every method and evaluation)."""
 
-from genrl.rollout.noise import mix_seed, rand_per_sample, randn_per_sample, sample_generator
+from genrl.noise import mix_seed, rand_per_sample, randn_per_sample, sample_generator
 from genrl.rollout.ode import sample_ode
 from genrl.rollout.sampler import (
     RolloutConfig,

@@ -1,7 +1,7 @@
 """Autoregressive (chunk-wise) mode of the rollout sampler: causal few-step students with a KV cache.
 
 One chunk loop serves DMD / Self-Forcing training, AFD and Stream-R1 rollouts, streaming generation and
-evaluation (ar_distill.md sections 1.1, 1.5 and 3.2; tempact.md section 3):
+evaluation (docs/methods/distillation.md, Causal chunk-wise students and the KV cache):
 
 - each chunk is denoised over a few-step sigma list (Self-Forcing's warped [1000, 750, 500, 250]); between
   steps the clean prediction is re-noised with fresh noise (the consistency sampler) or moved by an Euler step;
@@ -12,83 +12,28 @@ evaluation (ar_distill.md sections 1.1, 1.5 and 3.2; tempact.md section 3):
 - the Self-Forcing gradient policy: one exit step shared by all chunks (drawn on rank 0 and broadcast); only
   that forward carries a graph; nothing flows through the cache.
 
-Noise is addressed by (seed, sample index, chunk, step) (DESIGN.md section 2): chunk ``k`` step ``j`` of sample
-``i`` draws from ``(seed, i, step=j, stream=1 + k)``, so a continued, forked or regenerated video gets the same
-noise as a straight rollout.
+Noise is addressed by (seed, sample index, chunk, step) (docs/architecture.md, Seeds and noise addressing):
+chunk ``k`` step ``j`` of sample ``i`` draws from ``(seed, i, step=j, stream=1 + k)``, so a continued, forked or
+regenerated video gets the same noise as a straight rollout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from genrl.flow.schedules import shift_sigmas
-from genrl.models.causal import CausalConfig, KVCache
+from genrl.models.causal import CausalConfig, ChunkSchedule, KVCache
 from genrl.models.text_encoder import Conditioning
-from genrl.rollout.noise import mix_seed, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample
 
 __all__ = ["ChunkSchedule", "ARState", "ARResult", "new_state", "ar_rollout", "fork", "switch_prompt",
            "sample_exit_step", "chunk_noise", "step_dtype", "teacher_forced_velocity"]
 
 GradPolicy = Literal["none", "self_forcing", "full"]
 SwitchMode = Literal["swap", "crossattn_reset", "recache"]
-
-
-@dataclass
-class ChunkSchedule:
-    """How a causal student generates: chunk layout, few-step list, re-noise rule and context noise.
-
-    Attributes:
-        causal: chunk sizes, local window, sink frames and position policy (:class:`CausalConfig`).
-        timesteps: the configured denoising list in [0, 1000], descending (Self-Forcing [1000, 750, 500, 250]).
-        shift: timestep shift s.
-        warp: Self-Forcing's ``warp_denoising_step``: the list indexes the shifted 1000-step grid (shift 5 gives
-            [1000, 937.5, 833.3, 625]); False shifts each value directly.
-        kernel: ``"consistency"`` (x_{j+1} = (1 - sigma_{j+1}) x0_hat + sigma_{j+1} eps', fresh eps'; Self-Forcing)
-            or ``"ode"`` (Euler step x + (sigma_{j+1} - sigma_j) v; deterministic).
-        context_noise: sigma of the context pass that commits a finished chunk (0 = clean context).
-
-    Raises:
-        ValueError: an empty or non-descending list, values outside [0, 1000], a bad kernel or context noise.
-    """
-
-    causal: CausalConfig = field(default_factory=CausalConfig)
-    timesteps: list[float] = field(default_factory=lambda: [1000.0, 750.0, 500.0, 250.0])
-    shift: float = 5.0
-    warp: bool = True
-    kernel: Literal["consistency", "ode"] = "consistency"
-    context_noise: float = 0.0
-
-    def __post_init__(self) -> None:
-        ts = [float(t) for t in self.timesteps]
-        if not ts or any(not 0 < t <= 1000 for t in ts) or any(a <= b for a, b in zip(ts, ts[1:])):
-            raise ValueError(f"timesteps must be a strictly descending list in (0, 1000], got {self.timesteps}")
-        self.timesteps = ts
-        if self.kernel not in ("consistency", "ode"):
-            raise ValueError(f"kernel must be 'consistency' or 'ode', got {self.kernel!r}")
-        if not 0.0 <= self.context_noise < 1.0:
-            raise ValueError(f"context_noise is a sigma in [0, 1), got {self.context_noise}")
-        if isinstance(self.causal, dict):
-            self.causal = CausalConfig(**self.causal)
-        elif not isinstance(self.causal, CausalConfig) and hasattr(self.causal, "__dict__"):  # a config Namespace
-            self.causal = CausalConfig(**{k: v for k, v in vars(self.causal).items() if not k.startswith("_")})
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.timesteps)
-
-    def sigmas(self) -> torch.Tensor:
-        """float64 [S + 1]: the step sigmas, then 0."""
-        if self.warp:
-            from genrl.flow.dmd import warped_sigmas
-
-            sig = [float(v) for v in warped_sigmas(self.timesteps, self.shift)]
-        else:
-            sig = [float(shift_sigmas(torch.tensor(t / 1000.0, dtype=torch.float64), self.shift)) for t in self.timesteps]
-        return torch.tensor(sig + [0.0], dtype=torch.float64)
 
 
 @dataclass
@@ -191,7 +136,8 @@ def fork(state: ARState, n: int, indices: Sequence[Sequence[int]] | None = None)
         raise ValueError(f"fork needs n >= 1, got {n}")
     out = []
     for i in range(n):
-        idx = state.indices.clone() if indices is None else torch.as_tensor(list(map(int, indices[i])), dtype=torch.long)
+        idx = (state.indices.clone() if indices is None
+               else torch.as_tensor(list(map(int, indices[i])), dtype=torch.long))
         if len(idx) != state.batch_size:
             raise ValueError(f"fork {i}: {len(idx)} indices for a batch of {state.batch_size}")
         cond = Conditioning(state.cond.hidden_states.clone(), state.cond.attention_mask.clone(),
@@ -274,7 +220,7 @@ def _frame_shape(x: torch.Tensor, frame_dim: int) -> tuple[int, ...]:
 
 def sample_exit_step(num_steps: int, seed: int, iteration: int, mode: Literal["uniform", "last"] = "uniform",
                      broadcast: Callable[[int], int] | None = None, rank: int = 0) -> int:
-    """The Self-Forcing exit step, identical on every rank (ar_distill.md section 1.1, steps 2 and 3).
+    """The Self-Forcing exit step, identical on every rank (docs/methods/distillation.md, Self-Forcing gradient policy).
 
     Rank 0 draws s ~ U{0..S-1} (``"uniform"``; ``"last"`` gives S - 1) from (seed, iteration); other ranks draw
     from their own stream and take rank 0's value through ``broadcast`` (e.g. ``trainer.strategy.broadcast``),
@@ -428,7 +374,7 @@ def teacher_forced_velocity(generator, x0: torch.Tensor, x_t: torch.Tensor, sigm
     from the causal generator's own chunk calls (so it serves genrl's DiT and the causal Wan adapter alike; equal
     to the block-causal forward on [clean < k ; noisy k], see tests). Gradients flow through the chunk forwards
     (when enabled), never through the cache. Used by on-policy flow-matching updates on the student's own
-    samples (AFD / NFT: ar_distill.md section 1.6 step 4).
+    samples (AFD / NFT: docs/methods/distillation.md, AFD step 4).
 
     Args:
         x0: clean latents [B, T, ...] (generator layout), e.g. a detached rollout.

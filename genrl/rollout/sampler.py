@@ -5,10 +5,10 @@ kernel from :mod:`genrl.flow.sde` (deterministic Euler ODE, Flow-GRPO SDE, Dance
 the same pure function the losses call through :func:`transition_log_prob`, so a recomputed log-prob with
 unchanged weights equals the rollout's bit for bit (importance ratio exactly 1 on the first update).
 
-Reproducibility (DESIGN.md section 2): the initial noise of sample i is drawn from (seed, i, step 0) and
-the noise of its SDE step k from (seed, i, step k + 1); the network runs in fixed-size micro-batches
-(the last one padded by repetition) and text is padded to a fixed length, so a sample's trajectory does
-not depend on which other samples share its batch: regenerating sample i alone reproduces it bitwise.
+Reproducibility (docs/architecture.md, Seeds and noise addressing): the initial noise of sample i is drawn from
+(seed, i, step 0) and the noise of its SDE step k from (seed, i, step k + 1); the network runs in fixed-size
+micro-batches (the last one padded by repetition) and text is padded to a fixed length, so a sample's trajectory
+does not depend on which other samples share its batch: regenerating sample i alone reproduces it bitwise.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 from genrl.flow import cfg_combine, sigma_schedule
 from genrl.flow.sde import sde_step, step_log_prob
 from genrl.models.text_encoder import Conditioning
-from genrl.rollout.noise import mix_seed, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample
 
-__all__ = ["RolloutConfig", "Trajectory", "rollout", "guided_velocity", "transition_log_prob", "sde_mask"]
+__all__ = ["RolloutConfig", "Trajectory", "rollout", "guided_velocity", "transition_log_prob", "sde_mask", "encode_cfg"]
 
 Kernel = Literal["ode", "flow_grpo", "dance_grpo"]
 
@@ -37,7 +37,7 @@ class RolloutConfig:
         num_steps: denoising steps S (Flow-GRPO trains with 10, evaluates with 40).
         shift: sigma-schedule shift s, sigma' = s sigma / (1 + (s - 1) sigma).
         kernel: ``"ode"``, ``"flow_grpo"`` (g = a sqrt(sigma / (1 - sigma)), a = ``noise_level``) or
-            ``"dance_grpo"`` (g = eta = ``noise_level``); grpo.md section 1.2.
+            ``"dance_grpo"`` (g = eta = ``noise_level``); docs/methods/grpo.md (Exploration).
         noise_level: a (Flow-GRPO, default 0.7) or eta (DanceGRPO, 0.3).
         cfg_scale: guidance scale w of the rollout policy (1 = conditional model only).
         sde_steps: which steps are stochastic, hence recorded and trainable: ``"all"``; ``"prefix"`` (the first
@@ -51,8 +51,8 @@ class RolloutConfig:
         micro_batch_size: samples per network call (the last call is padded by repetition); fixed shapes
             make results independent of batch composition.
         null_prompt: the unconditional prompt for CFG.
-        schedule: an explicit sigma schedule of ``num_steps + 1`` values, descending from at most 1 to 0, used instead of
-            the shifted uniform one (e.g. the ``sigmas`` of a diffusers scheduler after ``set_timesteps``, to
+        schedule: an explicit sigma schedule of ``num_steps + 1`` values, descending from at most 1 to 0, used instead
+            of the shifted uniform one (e.g. the ``sigmas`` of a diffusers scheduler after ``set_timesteps``, to
             reproduce a diffusers pipeline exactly). ``shift`` is then ignored.
     """
 
@@ -74,7 +74,8 @@ class RolloutConfig:
         if self.schedule is not None:
             sig = [float(v) for v in self.schedule]
             if len(sig) != self.num_steps + 1:
-                raise ValueError(f"schedule has {len(sig)} values; num_steps={self.num_steps} needs {self.num_steps + 1}")
+                raise ValueError(f"schedule has {len(sig)} values; num_steps={self.num_steps} needs "
+                                 f"{self.num_steps + 1}")
             if not (sig[0] <= 1.0 and sig[-1] == 0.0 and all(a > b for a, b in zip(sig, sig[1:]))):
                 raise ValueError(f"schedule must descend strictly from <= 1 to exactly 0, got {sig}")
             self.schedule = sig
@@ -161,7 +162,7 @@ class Trajectory:
     def sde_steps(self) -> list[int]:
         return [int(k) for k in torch.nonzero(self.sde_mask).flatten()]
 
-    def select(self, rows: Sequence[int] | torch.Tensor) -> "Trajectory":
+    def select(self, rows: Sequence[int] | torch.Tensor) -> Trajectory:
         """The sub-trajectory of samples ``rows`` (for mini-batching the loss)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         pick = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
@@ -197,7 +198,8 @@ def guided_velocity(
         cb = cond.select(padded)
         if uncond is not None and cfg_scale != 1.0:
             ub = uncond.select(padded)
-            v_c, v_u = generator.velocity(torch.cat([xb, xb]), torch.cat([sb, sb]), Conditioning.cat([cb, ub])).float().chunk(2)
+            v_c, v_u = generator.velocity(torch.cat([xb, xb]), torch.cat([sb, sb]),
+                                          Conditioning.cat([cb, ub])).float().chunk(2)
             v = cfg_combine(v_c, v_u, cfg_scale)
         else:
             v = generator.velocity(xb, sb, cb).float()
@@ -205,10 +207,15 @@ def guided_velocity(
     return torch.cat(outs)
 
 
-def _encode(generator, prompts: list[str], config: RolloutConfig):
+def encode_cfg(generator, prompts: list[str], config: RolloutConfig):
+    """(conditional, unconditional) conditioning of ``prompts`` for ``config``'s CFG: the unconditional one encodes
+    ``config.null_prompt`` per prompt, and is None when ``config.cfg_scale`` is 1 (no guidance)."""
     cond = generator.encode_prompts(prompts)
     uncond = generator.encode_prompts([config.null_prompt] * len(prompts)) if config.cfg_scale != 1.0 else None
     return cond, uncond
+
+
+_encode = encode_cfg
 
 
 def rollout(

@@ -9,14 +9,15 @@ the computation of their common prefix; a node splits into ``branch_factor`` chi
 noise, drawn from (seed, tree, node path code, step k + 1), so any leaf can be regenerated alone, bitwise.
 At split steps the noise is scaled by ``split_noise_scale`` (kappa); the stored log-prob is the density of the
 noise actually drawn (std kappa s). ``reference_split_log_prob=True`` reproduces the BranchGRPO code, which
-samples with kappa s but scores with s (research/grpo.md 1.3) - a compatibility option, off by default.
+samples with kappa s but scores with s - a compatibility option, off by default.
 
 Mix (BranchGRPO-Mix): only steps with ``k mod mix_stride < mix_window`` and the split steps are stochastic; the
 others are deterministic Euler steps (no density, not trained).
 
 Counting (one tree, ``num_steps`` S): the frontier at step k holds f^(number of splits before k) nodes; the
 denoiser evaluations are the sum of the frontier sizes and the edges (transitions) the sum of the children
-sizes. Factor 2, splits {0, 3, 6, 9}, S = 20: 16 leaves, 203 evaluations, 218 edges (research/grpo.md 1.8.1).
+sizes. Factor 2, splits {0, 3, 6, 9}, S = 20: 16 leaves, 203 evaluations, 218 edges
+(docs/methods/grpo.md, Tree rollouts).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from genrl.flow.sde import StepOutput, sde_step, step_log_prob
-from genrl.rollout.noise import mix_seed, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, _encode, guided_velocity
 
 __all__ = ["TreeConfig", "TreeRollout", "tree_rollout", "edge_log_prob", "regenerate_leaf"]

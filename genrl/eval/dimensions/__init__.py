@@ -1,4 +1,4 @@
-"""VBench-compatible quality dimensions, natively in torch (research/rewards_eval.md 6.2a).
+"""VBench-compatible quality dimensions, natively in torch (docs/evaluation.md).
 
 Each dimension scores one video, ``dim.score_video(frames uint8 [T, 3, H, W], fps) -> DimensionResult``, and pools
 videos with ``dim.aggregate(results)`` (VBench's weighted mean). Build them by name::

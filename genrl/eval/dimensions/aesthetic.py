@@ -106,18 +106,3 @@ class AestheticQuality(Dimension):
         self.model.to(self.device)
         self.head.to(self.device)
         return self
-
-    @classmethod
-    def build_tiny(cls, folder: str | Path, seed: int = 0, vision_only: bool = False) -> Path:
-        """Write a tiny random CLIP (16-d projection) to ``folder/clip`` and a random ``nn.Linear(16, 1)`` head as
-        ``sa_0_4_vit_l_14_linear.pth``; returns the folder."""
-        from genrl.rewards.clip_rewards import _write_tiny_hf_clip
-
-        folder = Path(folder)
-        _write_tiny_hf_clip(folder / "clip", seed, with_tokenizer=False, vision_only=vision_only)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + 1)
-            head = nn.Linear(16, 1)
-            nn.init.normal_(head.weight, std=1.0)
-        torch.save(head.state_dict(), folder / AESTHETIC_V1_FILE)
-        return folder

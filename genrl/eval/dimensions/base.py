@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from genrl.rewards.clip_rewards import as_dtype, freeze, preprocessor_norm, projected_embedding
+from genrl.rewards.preprocess import center_crop, normalize
+
 __all__ = ["TooFewFrames", "DimensionResult", "Dimension", "check_frames", "check_fps", "resize_shorter_side",
            "require_files", "load_clip_image_encoder", "clip_image_embeddings"]
 
@@ -228,20 +231,18 @@ def load_clip_image_encoder(folder: Path, dtype: str | torch.dtype, name: str):
     """
     from transformers import CLIPModel, CLIPVisionModelWithProjection
 
-    from genrl.rewards.clip_rewards import _as_dtype, _freeze, _hf_norm
-
     model_type = json.loads((folder / "config.json").read_text()).get("model_type", "clip")
     if model_type == "clip":
-        model = CLIPModel.from_pretrained(folder, local_files_only=True, dtype=_as_dtype(dtype))
+        model = CLIPModel.from_pretrained(folder, local_files_only=True, dtype=as_dtype(dtype))
         vision_cfg, proj, vision_only = model.config.vision_config, model.config.projection_dim, False
     elif model_type == "clip_vision_model":
-        model = CLIPVisionModelWithProjection.from_pretrained(folder, local_files_only=True, dtype=_as_dtype(dtype))
+        model = CLIPVisionModelWithProjection.from_pretrained(folder, local_files_only=True, dtype=as_dtype(dtype))
         vision_cfg, proj, vision_only = model.config, model.config.projection_dim, True
     else:
         raise ValueError(f"dimension {name!r}: {folder / 'config.json'} has model_type {model_type!r}; expected a "
                          f"CLIP model ('clip' or 'clip_vision_model')")
-    mean, std = _hf_norm(folder)
-    return _freeze(model), vision_only, int(vision_cfg.image_size), int(proj), mean, std
+    mean, std = preprocessor_norm(folder)
+    return freeze(model), vision_only, int(vision_cfg.image_size), int(proj), mean, std
 
 
 def clip_image_embeddings(model, vision_only: bool, frames: Tensor, size: int, mean, std, antialias: bool,
@@ -254,9 +255,6 @@ def clip_image_embeddings(model, vision_only: bool, frames: Tensor, size: int, m
     Args:
         frames: uint8 [T, 3, H, W]. Returns: float32 [T, D] unnormalised embeddings on the model's device.
     """
-    from genrl.rewards.clip_rewards import _projected
-    from genrl.rewards.preprocess import center_crop, normalize
-
     p = next(model.parameters())
     out = []
     with torch.no_grad():
@@ -265,5 +263,5 @@ def clip_image_embeddings(model, vision_only: bool, frames: Tensor, size: int, m
             x = center_crop(resize_shorter_side(x, size, "bicubic", antialias), size).div(255.0)
             x = normalize(x, mean, std).to(p.dtype)
             emb = model(pixel_values=x) if vision_only else model.get_image_features(pixel_values=x)
-            out.append(_projected(emb).float())
+            out.append(projected_embedding(emb).float())
     return torch.cat(out)

@@ -35,6 +35,8 @@ from genrl.eval.dimensions.base import (
     require_files,
     resize_shorter_side,
 )
+from genrl.rewards.clip_rewards import as_dtype, freeze
+from genrl.rewards.preprocess import IMAGENET_MEAN, IMAGENET_STD, normalize
 
 __all__ = ["consistency_terms", "SubjectConsistency", "BackgroundConsistency"]
 
@@ -117,8 +119,6 @@ class SubjectConsistency(Dimension):
         super().__init__()
         from transformers import ViTModel
 
-        from genrl.rewards.clip_rewards import _as_dtype, _freeze
-
         folder = require_files(self.name, path, self.weight_files)
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
         if model_type != "vit":
@@ -126,16 +126,14 @@ class SubjectConsistency(Dimension):
                              f"expected a ViT ('vit'), e.g. facebook/dino-vitb16")
         if int(max_batch) < 1:
             raise ValueError(f"dimension {self.name!r}: max_batch must be >= 1, got {max_batch}")
-        self.model = _freeze(ViTModel.from_pretrained(folder, local_files_only=True, add_pooling_layer=False,
-                                                      dtype=_as_dtype(dtype)))
+        self.model = freeze(ViTModel.from_pretrained(folder, local_files_only=True, add_pooling_layer=False,
+                                                     dtype=as_dtype(dtype)))
         self.model.embeddings.interpolate_pos_encoding = types.MethodType(_dino_pos_encoding, self.model.embeddings)
         self.path, self.max_batch, self.antialias = str(folder), int(max_batch), bool(antialias)
         self.size = int(size) if size is not None else int(self.model.config.image_size)
 
     def features(self, frames: Tensor) -> Tensor:
         """DINO CLS features of uint8 [T, 3, H, W] frames: float32 [T, D] on the model's device (unnormalised)."""
-        from genrl.rewards.preprocess import IMAGENET_MEAN, IMAGENET_STD, normalize
-
         p = next(self.model.parameters())
         out = []
         with torch.no_grad():
@@ -153,22 +151,6 @@ class SubjectConsistency(Dimension):
         super().to(device)
         self.model.to(self.device)
         return self
-
-    @classmethod
-    def build_tiny(cls, folder: str | Path, seed: int = 0, image_size: int = 64) -> Path:
-        """Write a tiny random ``ViTModel`` (hidden 32, 2 layers, 2 heads, patch 16, ``image_size`` px) to ``folder``
-        in the layout ``path=`` expects; returns the folder."""
-        from transformers import ViTConfig, ViTModel
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        cfg = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                        image_size=image_size, patch_size=16)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = ViTModel(cfg, add_pooling_layer=False)
-        model.save_pretrained(folder)
-        return folder
 
 
 class BackgroundConsistency(Dimension):
@@ -220,13 +202,3 @@ class BackgroundConsistency(Dimension):
         super().to(device)
         self.model.to(self.device)
         return self
-
-    @classmethod
-    def build_tiny(cls, folder: str | Path, seed: int = 0, vision_only: bool = False) -> Path:
-        """Write a tiny random CLIP (2 layers, width 32, 32 px, 16-d projection; ``vision_only``: a
-        ``CLIPVisionModelWithProjection``) to ``folder``; returns the folder."""
-        from genrl.rewards.clip_rewards import _write_tiny_hf_clip
-
-        folder = Path(folder)
-        _write_tiny_hf_clip(folder, seed, with_tokenizer=False, vision_only=vision_only)
-        return folder

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from genrl.eval.dimensions.base import Dimension, DimensionResult, require_files
+from genrl.rewards.preprocess import center_crop
 
 __all__ = ["ImagingQuality", "MUSIQ_SPAQ_FILE", "PREPROCESS_MODES"]
 
@@ -98,8 +99,6 @@ class ImagingQuality(Dimension):
             x = F.interpolate(x, size=(int(s * h), int(s * w)), mode="bilinear", align_corners=False,
                               antialias=self.antialias)
             if mode == "shorter_centercrop":
-                from genrl.rewards.preprocess import center_crop
-
                 x = center_crop(x, 512)
         return x / 255.0
 

@@ -134,7 +134,8 @@ class DynamicDegree(_FlowDimension):
         interval = max(1, round(fps / 8.0))
         if len(indices) < 2:
             raise TooFewFrames(self.name, t, interval + 1,
-                               f"at {fps:g} fps VBench keeps one frame in {interval} (about 8 fps) and needs 2 kept frames")
+                               f"at {fps:g} fps VBench keeps one frame in {interval} (about 8 fps) and needs 2 kept "
+                               f"frames")
         pad_h, pad_w = (-h) % 8, (-w) % 8
         cut = int((h + pad_h) * (w + pad_w) * 0.05)
         if cut < 1:

@@ -1,5 +1,5 @@
-"""diffusers model families behind the Generator protocol: Wan2.1 (and its causal, chunk-wise student
-``wan_causal``), SD3.5, FLUX.1, SANA.
+"""Model families behind the Generator protocol: genrl's own DiT (``dit``) and the diffusers families Wan2.1 (and its
+causal, chunk-wise student ``wan_causal``), SD3.5, FLUX.1, SANA.
 
 ``GeneratorSpec`` is the typed config block a method takes to name its generator; ``build_generator``
 turns it into an adapter, loading a local diffusers folder (never a download unless asked) or building
@@ -12,7 +12,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from genrl.models.families.base import DiffusersGenerator, check_pipeline_folder
+from genrl.models.families.base import DiffusersGenerator, _dtype, check_pipeline_folder, set_attention_backend
+from genrl.models.families.dit import build_dit
 
 __all__ = ["FAMILIES", "VARIANT_FAMILIES", "GeneratorSpec", "build_generator", "family_class", "DiffusersGenerator",
            "check_pipeline_folder"]
@@ -49,30 +50,35 @@ def family_class(family: str) -> type[DiffusersGenerator]:
 
 @dataclass
 class GeneratorSpec:
-    """Which generator a method uses: a diffusers family from a local folder or from config values.
+    """Which generator a method uses (the one ``generator:`` block of every method's config).
 
     Attributes:
-        family: ``"wan"``, ``"wan_causal"`` (Wan2.1 with block-causal attention and a KV cache; same folders),
-            ``"sd3"``, ``"flux"`` or ``"sana"``.
+        family: ``"dit"`` (genrl's own video DiT, default), ``"wan"``, ``"wan_causal"`` (Wan2.1 with block-causal
+            attention and a KV cache; same folders), ``"sd3"``, ``"flux"`` or ``"sana"``.
         pretrained: local diffusers pipeline folder (``model_index.json`` + component folders); a hub id only
-            with ``local_files_only: false``. None builds from ``components`` with random weights.
+            with ``local_files_only: false``. For ``dit``: a ``VideoDiT.save_pretrained`` folder such as
+            ``assets/shapes-dit``. None builds from ``components`` with random weights.
+        text_encoder: ``dit`` only: the prompt encoder, a local sentence-transformers folder or ``"minilm"`` (default);
+            the diffusers families bring their own.
         components: ``{component: constructor values}`` when ``pretrained`` is None (tiny models, real-size
-            random models for benchmarks); see :data:`genrl.models.families.tiny.TINY`.
+            random models for benchmarks); see :data:`genrl.testing.families.TINY`.
         transformer_path: a separately saved transformer folder replacing the pipeline's (e.g. an export).
-        height, width, num_frames: sample size (pixels, frames; 1 for image families).
+        height, width, num_frames: sample size of the diffusers families (pixels, frames; 1 for image families); a
+            ``dit`` method's ``latent_shape`` fixes its size instead.
         torch_dtype: weights dtype (``"bfloat16"`` on GPU; ``"float32"`` on CPU). Trained LoRA weights stay float32.
         gradient_checkpointing: activation checkpointing per transformer block.
         attention_backend: ``"sdpa"`` (default), ``"flex"``, ``"xformers"`` (used only if it works here) or another
             diffusers dispatcher name.
-        max_sequence_length: text tokens per prompt (family default when None).
+        max_sequence_length: text tokens per prompt (family default when None; 32 for ``dit``).
         prompt_cache_dir: on-disk prompt-embedding cache (None: in memory only).
         offload_text_encoders: keep text encoders on the CPU between encodings (saves GPU memory).
         local_files_only: never reach a hub (default).
         options: family-specific keywords (e.g. FLUX ``guidance_scale`` of the guidance embedding).
     """
 
-    family: str = "wan"
+    family: str = "dit"
     pretrained: str | None = None
+    text_encoder: str | None = None
     components: dict[str, dict[str, Any]] = field(default_factory=dict)
     transformer_path: str | None = None
     height: int = 480
@@ -96,15 +102,18 @@ def build_generator(spec: GeneratorSpec | dict) -> DiffusersGenerator:
         ValueError: unknown family, neither or both of ``pretrained`` / ``components``, bad sizes.
         FileNotFoundError: an incomplete weights folder (names the missing file and the expected layout).
     """
-    from genrl.models.families.base import set_attention_backend
-
     spec = spec if isinstance(spec, GeneratorSpec) else GeneratorSpec(**spec)
-    cls = family_class(spec.family)
     if (spec.pretrained is None) == (not spec.components):
         raise ValueError(
             f"{spec.family}: give exactly one of pretrained (a local diffusers folder) or components (config "
             f"values for random weights); got pretrained={spec.pretrained!r}, components={sorted(spec.components)}"
         )
+    if spec.family == "dit":
+        return build_dit(spec)
+    if spec.text_encoder is not None:
+        raise ValueError(f"{spec.family}: text_encoder={spec.text_encoder!r} is for family 'dit' only; a diffusers "
+                         f"family loads its own text encoders from its pipeline folder (drop text_encoder)")
+    cls = family_class(spec.family)
     kwargs = dict(height=spec.height, width=spec.width, num_frames=spec.num_frames if cls.is_video else 1,
                   max_sequence_length=spec.max_sequence_length, prompt_cache_dir=spec.prompt_cache_dir,
                   offload_text_encoders=spec.offload_text_encoders, **spec.options)
@@ -114,8 +123,6 @@ def build_generator(spec: GeneratorSpec | dict) -> DiffusersGenerator:
     else:
         gen = cls.from_config(spec.components, torch_dtype=spec.torch_dtype, seed=spec.seed, **kwargs)
         if spec.transformer_path is not None:
-            from genrl.models.families.base import _dtype
-
             gen.transformer = cls._load_transformer(spec.transformer_path, _dtype(spec.torch_dtype))
             gen.pipeline.transformer = gen.transformer
     if spec.gradient_checkpointing:

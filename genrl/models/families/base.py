@@ -1,4 +1,4 @@
-"""The shared adapter over a diffusers pipeline's components (DESIGN.md section 3, "Generator").
+"""The shared adapter over a diffusers pipeline's components (docs/models.md).
 
 A family adapter (Wan2.1, SD3.5, FLUX.1, SANA) holds a diffusers pipeline object for its frozen parts
 (VAE, text encoders, tokenizers, scheduler) and exposes the Generator protocol over its transformer:
@@ -6,7 +6,7 @@ A family adapter (Wan2.1, SD3.5, FLUX.1, SANA) holds a diffusers pipeline object
 - ``encode_prompts(list[str]) -> Conditioning``: the pipeline's own ``encode_prompt`` (so prompt handling
   is exactly diffusers'), cached in memory and optionally on disk;
 - ``velocity(x, sigma, cond) -> v``: latents in the family's native layout, sigma in [0, 1] ([B], or per
-  frame [B, T] where the family supports it), velocity ``v = eps - x0`` (DESIGN.md section 2); the
+  frame [B, T] where the family supports it), velocity ``v = eps - x0`` (docs/architecture.md, Conventions); the
   adapter converts sigma to the family's timestep and packs / unpacks latents;
 - ``decode(latents)`` / ``encode(pixels)``: pixels float [B, T, C, H, W] in [0, 1] (T = 1 for images).
 
@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from genrl.models.families.tokenizers import word_level_tokenizer
 from genrl.models.text_encoder import Conditioning
 
 __all__ = ["DiffusersGenerator", "check_pipeline_folder", "DTYPES", "set_attention_backend"]
@@ -108,7 +109,8 @@ def set_attention_backend(model: nn.Module, backend: str | None) -> str:
             q = torch.zeros(1, 4, 1, 8, device=next(model.parameters()).device, dtype=torch.float16)
             xops.memory_efficient_attention(q, q, q)
         except Exception as e:  # noqa: BLE001 - any failure means "not usable here"
-            warnings.warn(f"attention backend 'xformers' is not usable here ({type(e).__name__}: {e}); using SDPA")
+            warnings.warn(f"attention backend 'xformers' is not usable here ({type(e).__name__}: {e}); using SDPA",
+                          stacklevel=2)
             name = "native"
     if name == "native" and not hasattr(model, "set_attention_backend"):
         return "sdpa"
@@ -181,9 +183,9 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
 
     @classmethod
     def from_pretrained(
-        cls, path: str, torch_dtype: str = "float32", local_files_only: bool = True, transformer_path: str | None = None,
-        **kwargs,
-    ) -> "DiffusersGenerator":
+        cls, path: str, torch_dtype: str = "float32", local_files_only: bool = True,
+        transformer_path: str | None = None, **kwargs,
+    ) -> DiffusersGenerator:
         """Load a diffusers pipeline folder of the family (nothing is downloaded unless ``local_files_only=False``).
 
         Args:
@@ -225,7 +227,7 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
     def from_config(
         cls, components: dict[str, dict[str, Any]], scheduler: dict[str, Any] | None = None,
         torch_dtype: str = "float32", seed: int = 0, **kwargs,
-    ) -> "DiffusersGenerator":
+    ) -> DiffusersGenerator:
         """Build the family with random weights from plain config values (tiny models in tests).
 
         Args:
@@ -272,8 +274,6 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
             raise ValueError(f"{cls.family} has no component {name!r}; expected one of {sorted(cls.component_classes)}")
         class_path, config_path = cls.component_classes[name]
         if class_path == "word_level":
-            from genrl.models.families.tokenizers import word_level_tokenizer
-
             return word_level_tokenizer(**values)
         model_cls = _import(class_path)
         return model_cls(_import(config_path)(**values)) if config_path else model_cls(**values)
@@ -430,7 +430,8 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
         from peft.utils import get_peft_model_state_dict
 
         if not getattr(self.transformer, "_hf_peft_config_loaded", False):
-            raise ValueError("the transformer has no LoRA adapter to save; train with lora: {...} or export full weights")
+            raise ValueError("the transformer has no LoRA adapter to save; train with lora: {...} or export full "
+                             "weights")
         layers = get_peft_model_state_dict(self.transformer)
         # the adapter config (rank, alpha, targets) travels as safetensors metadata, so that loaders apply
         # alpha / r exactly (without it diffusers assumes alpha = r)

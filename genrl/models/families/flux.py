@@ -34,8 +34,9 @@ def flux_dynamic_shift(image_seq_len: int, base_image_seq_len: int = 256, max_im
 
     mu is linear in the token count through (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift)
     (diffusers' ``calculate_shift``, extrapolated outside that range). The scheduler's exponential time shift
-    sigma' = e^mu sigma / (e^mu sigma + 1 - sigma) is the DESIGN.md shift with s = e^mu, so
-    ``RolloutConfig(shift=flux_dynamic_shift(n))`` reproduces ``FluxPipeline``'s schedule of the same steps.
+    sigma' = e^mu sigma / (e^mu sigma + 1 - sigma) is genrl's shift (docs/architecture.md, Conventions) with
+    s = e^mu, so ``RolloutConfig(shift=flux_dynamic_shift(n))`` reproduces ``FluxPipeline``'s schedule of the
+    same steps.
     E.g. 1024x1024 (4096 tokens): s = e^1.15 = 3.158; 512x512 (1024 tokens): s = e^0.63 = 1.878.
     """
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
@@ -102,7 +103,7 @@ class FluxGenerator(DiffusersGenerator):
 
     @classmethod
     def from_config(cls, components: dict[str, dict[str, Any]], scheduler: dict[str, Any] | None = None,
-                    **kwargs) -> "FluxGenerator":
+                    **kwargs) -> FluxGenerator:
         """:meth:`DiffusersGenerator.from_config` with FLUX.1-dev's scheduler values (:data:`FLUX_SCHEDULER`)
         as defaults, so a saved random pipeline samples with the dynamic shift like a real one."""
         return super().from_config(components, scheduler=FLUX_SCHEDULER | dict(scheduler or {}), **kwargs)

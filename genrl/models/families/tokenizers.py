@@ -57,7 +57,8 @@ def word_level_tokenizer(
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk_token))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    single = " ".join(([bos_token] if add_bos and bos_token else []) + ["$A"] + ([eos_token] if add_eos and eos_token else []))
+    single = " ".join(([bos_token] if add_bos and bos_token else []) + ["$A"]
+                      + ([eos_token] if add_eos and eos_token else []))
     used = [t for t in (bos_token if add_bos else None, eos_token if add_eos else None) if t]
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=[(t, vocab[t]) for t in used])
     kwargs = {"pad_token": pad_token, "unk_token": unk_token}

@@ -56,7 +56,8 @@ class WanGenerator(DiffusersGenerator):
                 f"wan: num_frames={self.num_frames} must be {st}k+1 and height x width={self.height}x{self.width} "
                 f"multiples of {ss * p[1]}x{ss * p[2]} (VAE x patch); e.g. 81 frames at 480x832"
             )
-        return (int(self.pipeline.vae.config.z_dim), (self.num_frames - 1) // st + 1, self.height // ss, self.width // ss)
+        return (int(self.pipeline.vae.config.z_dim), (self.num_frames - 1) // st + 1, self.height // ss,
+                self.width // ss)
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
@@ -76,7 +77,8 @@ class WanGenerator(DiffusersGenerator):
             _, f, h, w = self.latent_shape
             p = self.transformer.config.patch_size
             if t.shape[1] != f or p[0] != 1:
-                raise ValueError(f"wan: per-frame sigma of shape {tuple(t.shape)}; expected [B, {f}] (patch_size[0] = 1)")
+                raise ValueError(f"wan: per-frame sigma of shape {tuple(t.shape)}; expected [B, {f}] "
+                                 f"(patch_size[0] = 1)")
             t = t.repeat_interleave((h // p[1]) * (w // p[2]), dim=1)
         return self.transformer(hidden_states=x.to(self.dtype), timestep=t,
                                 encoder_hidden_states=cond.hidden_states.to(self.dtype), return_dict=False)[0]

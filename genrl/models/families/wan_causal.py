@@ -6,7 +6,7 @@ Wan2.1-1.3B; optionally a different first chunk, e.g. [1, 3, 3, ...]); a token a
 own chunk and of earlier chunks, optionally only to a trailing local window plus the first ``sink_frames``
 frames (LongLive, Yang et al. 2025). Generation runs chunk by chunk: each chunk is denoised while reading the
 keys / values of the committed (clean) chunks from a KV cache, then one context pass commits its own keys /
-values (ar_distill.md sections 1.1, 1.5 and 3.1).
+values (docs/methods/distillation.md).
 
 Nothing of the model is forked or re-implemented: the weights, the blocks and the forward are diffusers'.
 The adapter swaps the attention *processors* (diffusers' processor interface) of every block:

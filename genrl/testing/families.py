@@ -1,7 +1,9 @@
-"""Tiny component values per family (the sizes diffusers' own tests use), for CPU tests and smoke configs.
+"""Tiny component values per family (the sizes diffusers' own tests use), for CPU tests and benchmarks.
 
 ``TINY[family]`` is a ``components`` dict for ``<Family>Generator.from_config`` (random weights, a few
-thousand parameters per component); ``TINY_SIZE[family]`` a matching sample size.
+thousand parameters per component); ``TINY_SIZE[family]`` a matching sample size. Used by the tests and by
+``benchmarks/`` (``--tiny``); moved here from ``genrl.models.families.tiny`` (test fixtures are not part of the
+model layer).
 """
 
 from __future__ import annotations

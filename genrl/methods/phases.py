@@ -1,0 +1,206 @@
+"""The RL loop as plain, typed, composable phases (docs/new_method.md): collect -> score -> advantages -> update.
+
+* **collect** (:func:`collect_flat`, :func:`collect_endpoints`, :func:`collect_tree`): rollouts through the shared
+  sampler of :mod:`genrl.rollout` with the policy in eval mode and no gradient; each returns a :class:`Rollouts`.
+* **score** (:func:`score`): the :class:`~genrl.methods.common.Scorer` on the decoded samples; totals, groups and
+  validity gathered across ranks (groups may span ranks); reward metrics logged; an all-invalid batch is an error.
+* **advantages** (:func:`group_advantages_of`): per-group (GRPO) or per-reward advantages of the gathered batch,
+  this rank's slice; invalid samples get advantage 0 (never dropped).
+* **update** (:func:`optimizer_steps`): a list of optimizer steps, each a list of loss units; every unit is one
+  backward pass. The units depend only on the local batch size, never on the validity mask, so every rank runs the
+  same backward passes and optimizer steps.
+
+Methods are short compositions of these (GRPO, BranchGRPO, RAM, and the reward-weighted regression example in
+tests/test_new_method.py); nothing here holds state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+
+from genrl.flow.policy import group_advantages, group_stats
+from genrl.methods.common import Scorer, gather_batch, rank_slice
+from genrl.rollout.sampler import RolloutConfig, rollout
+from genrl.rollout.tree import TreeConfig, tree_rollout
+
+__all__ = ["Rollouts", "Scores", "collect_endpoints", "collect_flat", "collect_tree", "group_advantages_of",
+           "optimizer_steps", "score"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Rollouts:
+    """Output of a collect phase.
+
+    Attributes:
+        prompts: the prompt of every scored sample (B; for a tree, one per leaf).
+        pixels: decoded samples, float [B, T, C, H, W] in [0, 1] (what the rewards score).
+        samples: what the update needs: a :class:`~genrl.rollout.sampler.Trajectory` (flat), clean endpoints x0
+            [B, *latent] (endpoints) or a :class:`~genrl.rollout.tree.TreeRollout` (tree).
+    """
+
+    prompts: list[str]
+    pixels: torch.Tensor
+    samples: Any
+
+
+def _eval_mode(generator):
+    was = generator.training
+    generator.eval()
+    return was
+
+
+def collect_flat(generator, prompts: list[str], latent_shape, seed: int, index: torch.Tensor, config: RolloutConfig,
+                 iteration: int) -> Rollouts:
+    """Flat rollouts (Flow-GRPO / DanceGRPO): one trajectory per prompt with the stochastic kernel of ``config``,
+    per-step latents and log-probs recorded; decoded for scoring. Noise addressed by (seed, sample index, step) and
+    the SDE window by (seed, iteration)."""
+    was = _eval_mode(generator)
+    traj = rollout(generator, prompts, latent_shape, seed, index, config, rollout_id=iteration)
+    pixels = generator.decode(traj.final)
+    generator.train(was)
+    return Rollouts(list(prompts), pixels, traj)
+
+
+def collect_endpoints(generator, prompts: list[str], latent_shape, seed: int, index: torch.Tensor,
+                      config: RolloutConfig, iteration: int, policy: Callable[[], Any] | None = None) -> Rollouts:
+    """Clean endpoints x0 only (forward-process RL: RAM, DiffusionNFT, AWM), with the deterministic sampler of
+    ``config`` and no trajectory kept. ``policy`` is a context factory selecting the weights that roll out (e.g.
+    ``lambda: roles.swap(generator, "old_policy")``); None: the live policy."""
+    was = _eval_mode(generator)
+    with torch.no_grad():
+        if policy is None:
+            x0 = rollout(generator, prompts, latent_shape, seed, index, config, rollout_id=iteration,
+                         record=False).final
+        else:
+            with policy():
+                x0 = rollout(generator, prompts, latent_shape, seed, index, config, rollout_id=iteration,
+                             record=False).final
+    pixels = generator.decode(x0)
+    generator.train(was)
+    return Rollouts(list(prompts), pixels, x0)
+
+
+def collect_tree(generator, prompts: list[str], latent_shape, seed: int, index: torch.Tensor, config: RolloutConfig,
+                 tree: TreeConfig, reward_on: Literal["x0", "final"] = "x0") -> Rollouts:
+    """One tree per prompt (BranchGRPO) from the sampler's tree mode; the leaves (their last-step x0 prediction, or
+    the final latents) are decoded for scoring, one prompt per leaf."""
+    _eval_mode(generator)
+    ro = tree_rollout(generator, prompts, latent_shape, seed, index, config, tree)
+    leaves = ro.x0 if reward_on == "x0" else ro.leaves
+    leaf_prompts = [prompts[int(t)] for t in ro.tree[-1]]
+    with torch.no_grad():
+        pixels = generator.decode(leaves.to(generator.device))
+    generator.train()
+    return Rollouts(leaf_prompts, pixels, ro)
+
+
+@dataclass
+class Scores:
+    """Output of the score phase.
+
+    Attributes:
+        result: this rank's :class:`~genrl.rewards.RewardResult` (B local samples).
+        total / valid / group: the gathered global batch (world * B), rank order; ``group`` None when not given.
+        local: B, this rank's number of samples.
+    """
+
+    result: Any
+    total: torch.Tensor
+    valid: torch.Tensor
+    group: torch.Tensor | None
+    local: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def score(module: LightningModule, scorer: Scorer, rollouts: Rollouts, group: torch.Tensor | None = None,
+          iteration: int = 0) -> Scores:
+    """Score ``rollouts`` and log ``reward/<reward>/<key>``, ``reward/total`` (mean over the valid samples of the
+    gathered batch), ``reward/invalid_fraction`` and, with groups, ``advantage/<group statistic>``.
+
+    Raises:
+        RuntimeError: every reward of the gathered batch is invalid (NaN): the reward model is failing.
+    """
+    result = scorer(rollouts.pixels, rollouts.prompts)
+    bs = len(rollouts.prompts)
+    for key, value in result.metrics().items():
+        if key not in ("total", "invalid_fraction"):
+            module.log(f"reward/{key}", float(value), batch_size=bs)
+    total, valid = gather_batch(module, result.total), gather_batch(module, result.valid)
+    all_group = gather_batch(module, group) if group is not None else None
+    if all_group is not None:
+        for key, value in group_stats(total, all_group, valid=valid).items():
+            module.log(f"advantage/{key}", float(value), batch_size=bs)
+    module.log("reward/total", float(total[valid].mean()) if valid.any() else math.nan, prog_bar=True, batch_size=bs)
+    module.log("reward/invalid_fraction", float((~valid).float().mean()), batch_size=bs)
+    if not valid.any():
+        raise RuntimeError(
+            f"iteration {iteration}: every reward of the batch is invalid (NaN); the reward model is failing (see the "
+            f"reward/*/errors and nan_rewards metrics and the logged warnings); fix it or drop it from "
+            f"model.init_args.rewards"
+        )
+    return Scores(result, total, valid, all_group, bs)
+
+
+def group_advantages_of(module: LightningModule, scores: Scores, std: Literal["group", "global", "none"] = "group",
+                        eps: float = 1e-4, per_reward: bool = False, min_group_size: int = 1,
+                        iteration: int = 0) -> torch.Tensor:
+    """Advantages of this rank's samples, float32 [B]: (r - group mean) / (std + eps) over the gathered batch
+    (GRPO, Shao et al. 2024; :func:`genrl.flow.policy.group_advantages`), or per reward and summed (``per_reward``,
+    :meth:`genrl.rewards.RewardManager.per_reward_advantages`); invalid samples get exactly 0.
+
+    Raises:
+        ValueError: a group smaller than ``min_group_size`` (names ``data.init_args.group_size``).
+    """
+    if scores.group is None:
+        raise ValueError("group advantages need the samples' group ids (batch['group'])")
+    _, counts = torch.unique(scores.group, return_counts=True)
+    if bool((counts < min_group_size).any()):
+        raise ValueError(f"iteration {iteration}: a group of size {int(counts.min())}: a per-prompt advantage needs at "
+                         f"least {min_group_size} rollouts of the prompt (the group mean is the baseline); set "
+                         f"data.init_args.group_size >= {min_group_size} (reference: 8-24)")
+    if per_reward:
+        gathered = scores.result.map_tensors(lambda t: gather_batch(module, t))
+        adv_all = module.scorer.manager.per_reward_advantages(gathered, scores.group, std=std, eps=eps)
+    else:
+        adv_all = group_advantages(scores.total, scores.group, std=std, eps=eps, valid=scores.valid)
+    return rank_slice(module, adv_all, scores.local)
+
+
+#: a loss unit: () -> (loss to back-propagate (already scaled), {stat: weighted value}, stat weight)
+Unit = Callable[[], tuple[torch.Tensor, dict[str, float], float]]
+
+
+def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable[Unit]], max_grad_norm: float = 0.0,
+                    check_finite: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
+    """The update phase: for each optimizer step, zero the gradients, back-propagate every unit's loss (one backward
+    pass each; gradients accumulate), clip the gradient norm (``max_grad_norm`` > 0) and step. ``steps`` may be a
+    generator: each step's units are then built (e.g. its mini-batch conditioning encoded) just before it runs.
+
+    Returns:
+        ``{stat: sum of the units' weighted values / sum of their weights}`` over all steps.
+    """
+    sums: dict[str, float] = {}
+    weight = 0.0
+    for units in steps:
+        optimizer.zero_grad()
+        for unit in units:
+            loss, stats, w = unit()
+            if check_finite is not None:
+                check_finite(loss)
+            module.manual_backward(loss)
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + value
+            weight += w
+        if max_grad_norm > 0:
+            module.clip_gradients(optimizer, gradient_clip_val=max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+    return {key: value / max(weight, 1) for key, value in sums.items()}

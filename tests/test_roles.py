@@ -1,0 +1,157 @@
+"""Roles (genrl.models.roles): frozen networks are registered children that are never checkpointed or trained;
+lagged copies hold only the trainable tensors (the adapter under LoRA) and update in closed form; the reference
+context is the adapter-disabled model under LoRA and the frozen copy otherwise."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from genrl.models.lora import LoraSpec
+from genrl.models.roles import FrozenRoles, LaggedCopy, Roles
+
+
+class _Owner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.roles = Roles(self)
+
+
+class _Gen(nn.Module):
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.transformer = transformer
+
+    def velocity(self, x):
+        return self.transformer(x)
+
+
+def _owner_with(net: nn.Module) -> _Owner:
+    owner = _Owner()
+    owner.roles.trainable("generator", _Gen(net))
+    return owner
+
+
+def test_frozen_roles_are_children_but_never_trained_or_checkpointed():
+    torch.manual_seed(0)
+    owner = _owner_with(nn.Linear(3, 3))
+    teacher = owner.roles.frozen("teacher", nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)))
+    # a registered child: .to() / strategies see it, named_parameters lists it
+    assert any(n.startswith("frozen.teacher.") for n, _ in owner.named_parameters())
+    assert not any(p.requires_grad for p in teacher.parameters())
+    owner.train()
+    assert not teacher.training and owner.generator.training
+    owner.to(torch.float64)
+    assert next(teacher.parameters()).dtype == torch.float64
+    sd = owner.state_dict()
+    assert set(sd) == {"generator.transformer.weight", "generator.transformer.bias"}
+    # a fresh owner whose teacher differs loads the checkpoint strictly and keeps its own teacher
+    other = _owner_with(nn.Linear(3, 3))
+    other.roles.frozen("teacher", nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)))
+    before = copy.deepcopy(other.frozen.teacher.state_dict())
+    result = other.load_state_dict(sd, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(other.generator.transformer.weight, owner.generator.transformer.weight.float())
+    assert all(torch.equal(v, before[k]) for k, v in other.frozen.teacher.state_dict().items())
+    # a trainable key still missing from the checkpoint is reported
+    sd.pop("generator.transformer.bias")
+    with pytest.raises(RuntimeError, match="generator.transformer.bias"):
+        other.load_state_dict(sd, strict=True)
+
+
+def test_role_table_and_errors():
+    owner = _owner_with(nn.Linear(2, 2))
+    owner.roles.frozen("teacher", nn.Linear(2, 2))
+    assert {r.name: (r.kind, r.checkpointed) for r in owner.roles.table.values()} == {
+        "generator": ("trainable", True), "teacher": ("frozen", False)}
+    with pytest.raises(KeyError, match="declared"):
+        owner.roles.get("critic")
+    with pytest.raises(ValueError, match="declared as frozen"):
+        owner.roles.trainable("teacher", nn.Linear(2, 2))
+    assert set(owner.roles.shardable()) == {"generator", "teacher"}
+    assert isinstance(owner.frozen, FrozenRoles)
+
+
+def test_lagged_copy_swap_equals_a_deep_copy_and_updates_in_closed_form():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    owner = _owner_with(net)
+    lagged = owner.roles.lagged("old_policy", net)
+    frozen_copy = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with torch.no_grad(), owner.roles.swap(owner.generator, "old_policy") as gen:
+        old_out = gen.velocity(x)
+    assert torch.equal(old_out, frozen_copy(x))  # the lagged weights, bit for bit
+    live = {n: p.detach().clone() for n, p in net.named_parameters()}
+    assert torch.equal(net(x), torch.func.functional_call(net, live, (x,)))  # swapped back
+    # one EMA step in closed form: old <- d old + (1 - d) theta
+    d = 0.25
+    old = {n: t.clone() for n, t in lagged.tensors().items()}
+    owner.roles.update_lagged("old_policy", d)
+    for n, t in lagged.tensors().items():
+        assert torch.allclose(t, d * old[n] + (1 - d) * live[n], atol=1e-15, rtol=0)
+    assert set(owner.state_dict()) >= {f"old_policy.{n.replace('.', '__')}" for n in live}
+    with pytest.raises(ValueError, match="decay"):
+        lagged.update(net, 1.5)
+
+
+def _tiny_wan():
+    from genrl.models.families import family_class
+    from genrl.testing.families import TINY, TINY_SIZE
+
+    return family_class("wan").from_config(TINY["wan"], seed=0, **TINY_SIZE["wan"])
+
+
+def test_lagged_copy_under_lora_holds_only_the_adapter_and_reference_disables_it():
+    gen = _tiny_wan()
+    full_copy = sum(p.numel() for p in copy.deepcopy(gen.transformer).parameters())  # the old policy before
+    LoraSpec(rank=4, alpha=4.0).add_to(gen)
+    adapter = sum(p.numel() for n, p in gen.transformer.named_parameters() if "lora_" in n)
+    owner = _Owner()
+    owner.roles.trainable("generator", gen)
+    owner.roles.reference_copy(gen)  # under LoRA: nothing stored
+    lagged = owner.roles.lagged("old_policy", gen.transformer)
+    assert lagged.numel() == adapter and 0 < adapter < full_copy / 5
+    assert "reference" not in owner.frozen
+    base_weight = gen.transformer.blocks[0].attn1.to_q.base_layer.weight
+    with torch.no_grad():
+        for n, p in gen.transformer.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.5)  # a non-zero adapter: the policy differs from the base model
+    x = torch.randn(1, *gen.latent_shape)
+    cond = gen.encode_prompts(["a red circle"])
+    sigma = torch.tensor([0.5])
+    with torch.no_grad():
+        v = gen.velocity(x, sigma, cond)
+        with owner.roles.reference(gen):
+            v_ref = gen.velocity(x, sigma, cond)
+        gen.transformer.disable_adapters()
+        v_base = gen.velocity(x, sigma, cond)
+        gen.transformer.enable_adapters()
+        with owner.roles.swap(gen, "old_policy"):
+            v_old = gen.velocity(x, sigma, cond)
+    assert torch.equal(v_ref, v_base) and not torch.allclose(v, v_ref)
+    assert not torch.allclose(v_old, v)  # the lagged adapter is the one from before the change
+    assert torch.equal(gen.transformer.blocks[0].attn1.to_q.base_layer.weight, base_weight)
+
+
+def test_reference_copy_without_lora_is_frozen_initial_weights():
+    torch.manual_seed(0)
+    net = nn.Linear(3, 3)
+    owner = _owner_with(net)
+    owner.roles.reference_copy(owner.generator)
+    ref = owner.roles.get("reference")
+    init = net.weight.detach().clone()
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    x = torch.randn(2, 3)
+    with torch.no_grad(), owner.roles.reference(owner.generator) as gen:
+        assert torch.allclose(gen.velocity(x), nn.functional.linear(x, init, net.bias))
+    assert owner.generator.transformer is net and torch.equal(ref.weight, init)
+    assert isinstance(LaggedCopy(net), LaggedCopy)
