@@ -53,13 +53,14 @@ from genrl.methods.common import (
     rank_slice,
     trainer_of,
 )
+from genrl.methods.distill import causal_samples, student_rollout
 from genrl.models.discriminator import VideoDiscriminator
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
 from genrl.models.spec import ModelSpec
 from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
-from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, teacher_forced_velocity
+from genrl.rollout.autoregressive import ChunkSchedule, teacher_forced_velocity
 
 __all__ = ["AFD"]
 
@@ -191,8 +192,8 @@ class AFD(LightningModule):
     def student_rollouts(self, cond, indices: torch.Tensor, seed: int) -> torch.Tensor:
         """Clean student latents for ``cond`` (no gradient), chunk by chunk with the KV cache."""
         with torch.no_grad():
-            out = ar_rollout(self.generator, cond, self.schedule.causal.num_chunks(self.hparams.num_frames),
-                             self.frame_shape, self.schedule, seed=seed, indices=indices)
+            out = student_rollout(self.generator, cond, self.schedule, self.hparams.num_frames, self.frame_shape, seed,
+                                  indices)
         return out.latents.float()
 
     def teacher_latents(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -353,10 +354,9 @@ class AFD(LightningModule):
     @torch.no_grad()
     def generate(self, prompts: list[str], indices: torch.Tensor | None = None) -> torch.Tensor:
         """Student videos (pixels [B, T, C, H, W] in [0, 1]) with the training schedule."""
-        cond = self.generator.encode_prompts(prompts)
-        out = ar_rollout(self.generator, cond, self.schedule.causal.num_chunks(self.hparams.num_frames),
-                         self.frame_shape, self.schedule, seed=self.hparams.seed, indices=indices)
-        return self.generator.decode(out.latents)
+        k = self.schedule.causal.num_chunks(self.hparams.num_frames)
+        return self.generator.decode(causal_samples(self.generator, prompts, indices, self.schedule, k,
+                                                    self.frame_shape, self.hparams.seed))
 
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])

@@ -27,41 +27,23 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow import add_noise, x0_from_velocity
+from genrl.flow import add_noise
 from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sample_dmd_sigma, sid_loss
-from genrl.flow.guidance import cfg_combine
 from genrl.methods.common import Scorer, build_student, frame_shape_of, log_validation_rewards, policy_spec, trainer_of
+from genrl.methods.distill import ScoreRole, causal_samples, exit_step_of, real_x0, student_rollout
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles, swapped_transformer
+from genrl.models.roles import Roles
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning
 from genrl.noise import mix_seed, randn_per_sample, sample_generator
-from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout, sample_exit_step
+from genrl.rollout.autoregressive import ChunkSchedule
 
-__all__ = ["DMD", "ScoreRole"]
+__all__ = ["DMD", "ScoreRole"]  # ScoreRole: re-exported from genrl.methods.distill
 
 _STREAM_DMD_NOISE = 21
 _STREAM_CRITIC_NOISE = 22
-
-
-class ScoreRole:
-    """A bidirectional score network (teacher or critic) evaluated through a generator's ``velocity``.
-
-    The generator supplies the input handling (layout, per-frame sigma, timestep = 1000 sigma) and the text
-    conditioning; the role supplies its own transformer, swapped in for the call. So a 14B teacher and a 1.3B
-    student share one text encoder and VAE.
-    """
-
-    def __init__(self, generator, transformer: torch.nn.Module) -> None:
-        self.generator = generator
-        self.transformer = transformer
-
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        """Bidirectional velocity of this role at ``x`` (generator layout), sigma [B] (or per frame)."""
-        with swapped_transformer(self.generator, self.transformer) as gen:
-            return gen.velocity(x, sigma, cond, attention="bidirectional")
 
 
 class DMD(LightningModule):
@@ -194,34 +176,19 @@ class DMD(LightningModule):
     def real_x0(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Teacher x0 prediction with CFG (standard form w) at x_t, sigma [B]."""
         w = self.hparams.teacher_cfg_scale
-        teacher = self.teacher
-        v_c = teacher.velocity(x_t, sigma, cond).float()
-        if w != 1.0:
-            v_u = teacher.velocity(x_t, sigma, self._negative_cond(x_t.shape[0])).float()
-            v_c = cfg_combine(v_c, v_u, w)
-        return x0_from_velocity(x_t.float(), sigma, v_c)
+        return real_x0(self.teacher, x_t, sigma, cond, w, self._negative_cond(x_t.shape[0]) if w != 1.0 else None)
 
     def fake_x0(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Critic x0 prediction (no CFG) at x_t, sigma [B]."""
-        v = ScoreRole(self.generator, self.critic).velocity(x_t, sigma, cond).float()
-        return x0_from_velocity(x_t.float(), sigma, v)
-
-    def _world(self) -> tuple[int, int, Any]:
-        if self._trainer is None:
-            return 0, 1, None
-        strategy = self.trainer.strategy
-        world = self.trainer.world_size
-        return self.trainer.global_rank, world, (strategy.broadcast if world > 1 else None)
+        return ScoreRole(self.generator, self.critic).x0(x_t, sigma, cond)
 
     def student_rollout(self, cond: Conditioning, indices: torch.Tensor, seed: int, grad: bool):
         """Student videos (latents) for ``cond`` with the Self-Forcing gradient policy when ``grad``."""
-        rank, _, broadcast = self._world()
-        exit_step = sample_exit_step(self.schedule.num_steps, self.hparams.seed, int(self.iteration),
-                                     self.hparams.exit_mode, broadcast=broadcast, rank=rank) if grad else None
-        causal = self.schedule.causal
-        return ar_rollout(self.generator, cond, causal.num_chunks(self.hparams.num_frames), self.frame_shape,
-                          self.schedule, seed=seed, indices=indices, grad="self_forcing" if grad else "none",
-                          exit_step=exit_step, grad_window_frames=self.hparams.grad_window_frames)
+        h = self.hparams
+        exit_step = exit_step_of(self, self.schedule.num_steps, h.seed, int(self.iteration), h.exit_mode) if grad \
+            else None
+        return student_rollout(self.generator, cond, self.schedule, h.num_frames, self.frame_shape, seed, indices,
+                               exit_step, h.grad_window_frames)
 
     def _noised(self, x: torch.Tensor, indices: torch.Tensor, it: int, stream: int):
         """(sigma [B], eps, x_sigma) for DMD / critic noising; sample i's draws depend only on (seed, it, i), so a
@@ -323,10 +290,8 @@ class DMD(LightningModule):
         """Student videos (pixels [B, T, C, H, W] in [0, 1]) with the evaluation sampler."""
         schedule = schedule or self.eval_schedule
         n = num_frames or self.hparams.num_frames
-        cond = self.generator.encode_prompts(prompts)
-        out = ar_rollout(self.generator, cond, schedule.causal.num_chunks(n), self.frame_shape, schedule,
-                         seed=self.hparams.seed, indices=indices)
-        return self.generator.decode(out.latents)
+        return self.generator.decode(causal_samples(self.generator, prompts, indices, schedule,
+                                                    schedule.causal.num_chunks(n), self.frame_shape, self.hparams.seed))
 
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])

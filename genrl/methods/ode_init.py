@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
+from genrl.data.ode_pairs import chunk_states_to_frames, draw_chunk_states, select_states
 from genrl.flow import ode_regression_loss, x0_from_velocity
 from genrl.methods.common import (
     Scorer,
@@ -41,101 +42,18 @@ from genrl.methods.common import (
     policy_spec,
     trainer_of,
 )
+from genrl.methods.distill import causal_samples
 from genrl.models.causal import CausalConfig
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.noise import sample_generator
-from genrl.rollout.autoregressive import ChunkSchedule, ar_rollout
+from genrl.rollout.autoregressive import ChunkSchedule
 
 __all__ = ["ODEInit", "draw_chunk_states", "chunk_states_to_frames", "select_states", "shapes_schedule"]
-
-#: random stream of the per-chunk state draw (see genrl.noise).
-_STREAM_CHUNK_STATE = 0x0DE1
-
 
 def shapes_schedule() -> ChunkSchedule:
     """The shapes world's student: chunks of 2 latent frames (the DiT's temporal patch), the list
     [1000, 750, 500, 250] at shift 1 (sigmas [1, 0.75, 0.5, 0.25]), consistency re-noise, clean context."""
     return ChunkSchedule(causal=CausalConfig(chunk_size=2), timesteps=[1000.0, 750.0, 500.0, 250.0], shift=1.0)
-
-
-def draw_chunk_states(seed: int, sample_ids: Sequence[int] | torch.Tensor, step: int, num_chunks: int,
-                      num_states: int) -> torch.Tensor:
-    """Per-chunk state indices of the ODE regression (CausVid sec. 4.3, ``uniform_timestep=False``).
-
-    Row b holds ``num_chunks`` independent uniform draws from {0, ..., num_states - 1}, taken from the CPU
-    generator addressed by (seed, sample_ids[b], step, stream) (:func:`genrl.noise.sample_generator`):
-    a pure function of those integers, whatever the batch composition.
-
-    Args:
-        seed: run seed.
-        sample_ids: B sample ids (ints or an int tensor [B]); unique within a step.
-        step: the training step (global step).
-        num_chunks: K chunks per sample.
-        num_states: number of choices (S noisy states, or S + 1 with the clean state).
-    Returns:
-        int64 [B, K] on the CPU.
-    Raises:
-        ValueError: ``num_chunks < 1`` or ``num_states < 1``.
-    """
-    if num_chunks < 1 or num_states < 1:
-        raise ValueError(f"need num_chunks >= 1 and num_states >= 1, got {num_chunks} and {num_states}")
-    ids = sample_ids.tolist() if isinstance(sample_ids, torch.Tensor) else list(sample_ids)
-    rows = [torch.randint(num_states, (num_chunks,), generator=sample_generator(seed, int(i), int(step),
-                                                                               _STREAM_CHUNK_STATE))
-            for i in ids]
-    return torch.stack(rows) if rows else torch.zeros(0, num_chunks, dtype=torch.long)
-
-
-def chunk_states_to_frames(chunk_states: torch.Tensor, causal: CausalConfig, num_frames: int) -> torch.Tensor:
-    """Spread per-chunk state indices [B, K] to per-frame indices [B, T] with the chunk layout of ``causal``.
-
-    Raises:
-        ValueError: ``num_frames`` is not on a chunk boundary, or K differs from the number of chunks.
-    """
-    k = causal.num_chunks(num_frames)
-    if chunk_states.ndim != 2 or chunk_states.shape[1] != k:
-        raise ValueError(f"chunk states of shape {tuple(chunk_states.shape)} for {num_frames} frames in {k} chunks; "
-                         f"expected [B, {k}]")
-    chunk = causal.chunk_of(torch.arange(num_frames)).to(chunk_states.device)
-    return chunk_states[:, chunk]
-
-
-def select_states(ode_latents: torch.Tensor, ode_sigmas: torch.Tensor, frame_states: torch.Tensor,
-                  frame_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Assemble the student's input: frame t of sample b is frame t of the stored state ``frame_states[b, t]``.
-
-    Args:
-        ode_latents: [B, S + 1, *latent] stored states (frames on axis ``frame_dim - 1`` of ``*latent``).
-        ode_sigmas: [S + 1] their sigmas.
-        frame_states: int64 [B, T] state index per frame, in 0..S.
-        frame_dim: frame axis of the generator's latents [B, *latent] (1 for [B, T, C, H, W], 2 for Wan's
-            [B, C, T, H, W]).
-    Returns:
-        ``(x, sigma)``: x [B, *latent] (exact copies of the stored values, dtype of ``ode_latents``) and the
-        per-frame sigma [B, T] (dtype of ``ode_sigmas``).
-    Raises:
-        ValueError: shapes do not fit (named in the message) or an index is out of range.
-    """
-    if ode_latents.ndim < 3 or ode_sigmas.ndim != 1 or ode_latents.shape[1] != ode_sigmas.numel():
-        raise ValueError(f"ode_latents {tuple(ode_latents.shape)} and ode_sigmas {tuple(ode_sigmas.shape)} do not "
-                         f"fit: expected [B, S + 1, *latent] and [S + 1]")
-    b, n_states = ode_latents.shape[:2]
-    latent = ode_latents.shape[2:]
-    if not 1 <= frame_dim <= len(latent):
-        raise ValueError(f"frame_dim={frame_dim} is outside 1..{len(latent)} for latents {tuple(latent)}")
-    t = latent[frame_dim - 1]
-    if frame_states.shape != (b, t):
-        raise ValueError(f"frame_states of shape {tuple(frame_states.shape)}; expected [B, T] = [{b}, {t}]")
-    if bool((frame_states < 0).any()) or bool((frame_states >= n_states).any()):
-        raise ValueError(f"frame_states must lie in 0..{n_states - 1}, got values {frame_states.unique().tolist()}")
-    fs = frame_states.to(ode_latents.device)
-    shape = [b, 1] + [1] * len(latent)
-    shape[frame_dim + 1] = t
-    idx = fs.reshape(shape).expand(b, 1, *latent)
-    x = ode_latents.gather(1, idx).squeeze(1)
-    sigma = ode_sigmas.to(fs.device)[fs]
-    return x, sigma
 
 
 class ODEInit(LightningModule):
@@ -352,10 +270,7 @@ class ODEInit(LightningModule):
         fd = self.frame_dim
         frame_shape = frame_shape_of(self.generator, shape)
         k = num_chunks or self.hparams.val_num_chunks or self.schedule.causal.num_chunks(shape[fd - 1])
-        cond = self.generator.encode_prompts(list(prompts))
-        idx = None if indices is None else torch.as_tensor(indices).cpu()
-        result = ar_rollout(self.generator, cond, k, frame_shape, self.schedule, seed=self.hparams.seed, indices=idx)
-        return result.latents
+        return causal_samples(self.generator, prompts, indices, self.schedule, k, frame_shape, self.hparams.seed)
 
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         """Sample the validation prompts causally (:meth:`generate`), decode to pixels [B, T, C, H, W] in [0, 1],
