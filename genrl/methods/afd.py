@@ -151,7 +151,7 @@ class AFD(LightningModule):
         self.discriminator = None
         self.old_policy = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self.scorer = Scorer(rewards if rewards is not None else [{"name": "shapes"}], reward_combine)
+        self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction

@@ -23,13 +23,21 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss
 from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
-from genrl.methods.common import Scorer, build_policy, log_validation_rewards, policy_optimizer, policy_spec, trainer_of
-from genrl.methods.phases import collect_tree, optimizer_steps, score
+from genrl.methods.common import (
+    Scorer,
+    build_policy,
+    configure_policy_optimizer,
+    default_latent_shape,
+    ode_validation_config,
+    policy_spec,
+    trainer_of,
+)
+from genrl.methods.phases import collect_tree, flat_validation, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
 from genrl.noise import mix_seed
-from genrl.rollout.sampler import RolloutConfig, encode_cfg, rollout
+from genrl.rollout.sampler import RolloutConfig, encode_cfg
 from genrl.rollout.tree import TreeConfig, edge_log_prob
 
 __all__ = ["BranchGRPO"]
@@ -95,14 +103,12 @@ class BranchGRPO(LightningModule):
                                                        skip_last_step=False)
         self.tree_config = tree or TreeConfig()
         self.tree_config.check(self.rollout_config.num_steps)
-        self.eval_config = eval_rollout or RolloutConfig(kernel="ode", num_steps=20, shift=self.rollout_config.shift,
-                                                         cfg_scale=self.rollout_config.cfg_scale,
-                                                         micro_batch_size=self.rollout_config.micro_batch_size)
+        self.eval_config = eval_rollout or ode_validation_config(self.rollout_config, num_steps=20)
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
         self.generator = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self.scorer = Scorer(rewards if rewards is not None else [{"name": "shapes"}], reward_combine)
+        self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction (as GRPO)
@@ -110,13 +116,11 @@ class BranchGRPO(LightningModule):
         if self.generator is not None:
             return
         generator = build_policy(self.generator_spec, self.hparams.lora)
-        if self.latent_shape is None:
-            self.latent_shape = tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
+        self.latent_shape = default_latent_shape(generator, self.latent_shape)
         self.roles.trainable("generator", generator)
         self.scorer.build(trainer_of(self))
 
-    def configure_optimizers(self):
-        return policy_optimizer(self.generator, self.optimizer_factory)
+    configure_optimizers = configure_policy_optimizer
 
     # ------------------------------------------------------------------ the pieces
     def tree_advantages(self, ro, leaf_rewards: torch.Tensor, leaf_valid: torch.Tensor):
@@ -181,9 +185,4 @@ class BranchGRPO(LightningModule):
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
-        prompts = list(batch["prompts"])
-        traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
-                       self.eval_config, record=False)
-        videos = self.generator.decode(traj.final)
-        log_validation_rewards(self, self.scorer, videos, prompts)
-        return {"videos": videos, "prompts": prompts}
+        return flat_validation(self, self.scorer, batch, self.eval_config, self.latent_shape, self.hparams.seed)

@@ -15,9 +15,12 @@ from torch import nn
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.lora import LoraSpec
 from genrl.rewards import RewardManager
+from genrl.rollout.sampler import RolloutConfig
 
-__all__ = ["SHAPES_DIT", "Scorer", "build_policy", "build_student", "frame_shape_of", "gather_batch",
-           "log_validation_rewards", "policy_optimizer", "policy_spec", "rank_slice", "trainer_of", "world_of"]
+__all__ = ["SHAPES_DIT", "Scorer", "build_policy", "build_student", "configure_policy_optimizer",
+           "default_latent_shape", "frame_shape_of", "gather_batch", "log_validation_rewards", "ode_validation_config",
+           "policy_optimizer",
+           "policy_spec", "rank_slice", "trainer_of", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -89,14 +92,18 @@ class Scorer(nn.Module):
     so it is saved in every checkpoint and restored on resume with no hook in the method.
 
     Args:
-        specs: reward specs (``[{"name": "shapes", "weight": 1.0}, ...]``, see :class:`genrl.rewards.RewardSpec`).
+        specs: reward specs (``[{"name": "shapes", "weight": 1.0}, ...]``, see :class:`genrl.rewards.RewardSpec`);
+            None: the shapes verifier, ``[{"name": "shapes"}]``.
         combine: ``"weighted_sum"``, ``"zscore_sum"`` or ``"advantage_sum"`` (see :class:`genrl.rewards.RewardManager`).
     Raises:
-        ValueError: no spec, an unknown combine mode; UnknownRewardError: an unregistered reward name.
+        ValueError: an empty list, an unknown combine mode; UnknownRewardError: an unregistered reward name.
     """
 
-    def __init__(self, specs: list[dict[str, Any]], combine: str = "weighted_sum") -> None:
+    def __init__(self, specs: list[dict[str, Any]] | None = None, combine: str = "weighted_sum") -> None:
         super().__init__()
+        specs = [{"name": "shapes"}] if specs is None else specs
+        if not specs:
+            raise ValueError("the method needs at least one reward; e.g. model.init_args.rewards: [{name: shapes}]")
         self.manager = RewardManager(specs, combine=combine)  # not an nn.Module: its models are not children
         self._pending: dict | None = None
 
@@ -162,9 +169,29 @@ def frame_shape_of(generator, latent_shape=None, default: tuple[int, ...] = (3, 
     return tuple(int(v) for i, v in enumerate(shape) if i != fd - 1)
 
 
-def log_validation_rewards(method: LightningModule, scorer: Scorer, videos: torch.Tensor, prompts: list[str]) -> None:
+def configure_policy_optimizer(method: LightningModule):
+    """``configure_optimizers`` of a method with one optimizer over its policy: ``method.optimizer_factory`` over the
+    trainable parameters of ``method.generator`` (assign it in the class body: ``configure_optimizers =
+    configure_policy_optimizer``)."""
+    return policy_optimizer(method.generator, method.optimizer_factory)
+
+
+def ode_validation_config(rollout: RolloutConfig, num_steps: int | None = None) -> RolloutConfig:
+    """The default validation sampler of a flat-rollout method: the deterministic ODE with the rollout's shift, CFG
+    scale and micro-batch, ``num_steps`` steps (default: the rollout's)."""
+    return RolloutConfig(kernel="ode", num_steps=num_steps or rollout.num_steps, shift=rollout.shift,
+                         cfg_scale=rollout.cfg_scale, micro_batch_size=rollout.micro_batch_size)
+
+
+def default_latent_shape(generator, latent_shape=None) -> tuple[int, ...]:
+    """``latent_shape``, else the generator's (a diffusers family), else the shapes world's DiT (8, 3, 16, 16)."""
+    return tuple(latent_shape) if latent_shape else tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
+
+
+def log_validation_rewards(method: LightningModule, scorer: Scorer, videos: torch.Tensor, prompts: list[str]) -> dict:
     """Score validation ``videos`` (pixels [B, T, C, H, W] in [0, 1]) with ``scorer`` and log ``val/<reward>/<key>``
-    and ``val/total`` (mean over valid samples; NaN when none is valid)."""
+    and ``val/total`` (mean over valid samples; NaN when none is valid). Returns ``{"videos", "prompts"}``, the
+    validation-step output :class:`~genrl.callbacks.VideoLogger` reads."""
     result = scorer(videos, prompts)
     bs = len(prompts)
     for key, value in result.metrics().items():
@@ -172,3 +199,4 @@ def log_validation_rewards(method: LightningModule, scorer: Scorer, videos: torc
             method.log(f"val/{key}", float(value), batch_size=bs)
     method.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
                prog_bar=True, batch_size=bs)
+    return {"videos": videos, "prompts": prompts}

@@ -138,7 +138,7 @@ class DMD(LightningModule):
         self.critic: torch.nn.Module | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))  # optimizer steps of the critic
         self.register_buffer("micro_step", torch.zeros((), dtype=torch.long))
-        self.scorer = Scorer(rewards if rewards is not None else [{"name": "shapes"}], reward_combine)
+        self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
         self._negative: Conditioning | None = None
         #: optional weight of the DMD gradient per sample / element (see :meth:`generator_loss`); None = 1
@@ -296,5 +296,4 @@ class DMD(LightningModule):
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])
         videos = self.generate(prompts, batch["index"].cpu())
-        log_validation_rewards(self, self.scorer, videos, prompts)
-        return {"videos": videos, "prompts": prompts}
+        return log_validation_rewards(self, self.scorer, videos, prompts)

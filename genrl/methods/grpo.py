@@ -24,14 +24,22 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss, gaussian_kl, velocity_kl
 from genrl.flow.sde import step_mean_std
-from genrl.methods.common import Scorer, build_policy, log_validation_rewards, policy_optimizer, policy_spec, trainer_of
-from genrl.methods.phases import collect_flat, group_advantages_of, optimizer_steps, score
+from genrl.methods.common import (
+    Scorer,
+    build_policy,
+    configure_policy_optimizer,
+    default_latent_shape,
+    ode_validation_config,
+    policy_spec,
+    trainer_of,
+)
+from genrl.methods.phases import collect_flat, flat_validation, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
 from genrl.noise import mix_seed
-from genrl.rollout.sampler import RolloutConfig, encode_cfg, guided_velocity, rollout, transition_log_prob
+from genrl.rollout.sampler import RolloutConfig, encode_cfg, guided_velocity, transition_log_prob
 
 __all__ = ["GRPO"]
 
@@ -103,18 +111,12 @@ class GRPO(LightningModule):
         self.generator_spec = policy_spec(self, generator)
         self.automatic_optimization = False
         self.rollout_config = rollout or RolloutConfig()
-        self.eval_config = eval_rollout or RolloutConfig(
-            kernel="ode", num_steps=20, shift=self.rollout_config.shift, cfg_scale=self.rollout_config.cfg_scale,
-            micro_batch_size=self.rollout_config.micro_batch_size,
-        )
+        self.eval_config = eval_rollout or ode_validation_config(self.rollout_config, num_steps=20)
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
         self.generator: DiTGenerator | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        specs = rewards if rewards is not None else [{"name": "shapes"}]
-        if not specs:
-            raise ValueError("GRPO needs at least one reward; e.g. rewards: [{name: shapes}]")
-        self.scorer = Scorer(specs, reward_combine)
+        self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
@@ -122,15 +124,13 @@ class GRPO(LightningModule):
         if self.generator is not None:
             return
         generator = build_policy(self.generator_spec, self.hparams.lora)
-        if self.latent_shape is None:
-            self.latent_shape = tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
+        self.latent_shape = default_latent_shape(generator, self.latent_shape)
         self.roles.trainable("generator", generator)
         if self.hparams.kl_beta > 0:
             self.roles.reference_copy(generator)
         self.scorer.build(trainer_of(self))
 
-    def configure_optimizers(self):
-        return policy_optimizer(self.generator, self.optimizer_factory)
+    configure_optimizers = configure_policy_optimizer
 
     # ------------------------------------------------------------------ the algorithm
     def _reference_velocity(self, x, sigma, cond, uncond, cfg):
@@ -200,9 +200,4 @@ class GRPO(LightningModule):
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
-        prompts = list(batch["prompts"])
-        traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
-                       self.eval_config, record=False)
-        videos = self.generator.decode(traj.final)
-        log_validation_rewards(self, self.scorer, videos, prompts)
-        return {"videos": videos, "prompts": prompts}
+        return flat_validation(self, self.scorer, batch, self.eval_config, self.latent_shape, self.hparams.seed)

@@ -115,7 +115,7 @@ class ODEInit(LightningModule):
         self.optimizer_factory = optimizer
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.generator = None
-        self.scorer = Scorer(rewards if rewards is not None else [{"name": "shapes"}], reward_combine)
+        self.scorer = Scorer(rewards, reward_combine)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
@@ -278,8 +278,7 @@ class ODEInit(LightningModule):
         prompts = list(batch["prompts"])
         latents = self.generate(prompts, batch.get("index"))
         videos = self.generator.decode(latents)
-        log_validation_rewards(self, self.scorer, videos, prompts)
-        return {"videos": videos, "prompts": prompts}
+        return log_validation_rewards(self, self.scorer, videos, prompts)
 
     def predict_step(self, batch: dict, batch_idx: int) -> dict:
         """``{"videos": pixels [B, T, C, H, W] in [0, 1], "prompts"}`` of the batch's prompts (causal sampling)."""

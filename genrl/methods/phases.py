@@ -26,12 +26,12 @@ import torch
 from lightning.pytorch import LightningModule
 
 from genrl.flow.policy import group_advantages, group_stats
-from genrl.methods.common import Scorer, gather_batch, rank_slice
+from genrl.methods.common import Scorer, gather_batch, log_validation_rewards, rank_slice
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
-__all__ = ["Rollouts", "Scores", "collect_endpoints", "collect_flat", "collect_tree", "group_advantages_of",
-           "optimizer_steps", "score"]
+__all__ = ["Rollouts", "Scores", "collect_endpoints", "collect_flat", "collect_tree", "flat_validation",
+           "group_advantages_of", "optimizer_steps", "score"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +173,17 @@ def group_advantages_of(module: LightningModule, scores: Scores, std: Literal["g
     else:
         adv_all = group_advantages(scores.total, scores.group, std=std, eps=eps, valid=scores.valid)
     return rank_slice(module, adv_all, scores.local)
+
+
+@torch.no_grad()
+def flat_validation(module: LightningModule, scorer: Scorer, batch: dict, config: RolloutConfig,
+                    latent_shape, seed: int) -> dict:
+    """A validation step of a flat-rollout method: deterministic samples of ``module.generator`` with ``config``
+    (normally the ODE) at the batch's noise addresses, scored and logged (``val/*``); returns ``{"videos",
+    "prompts"}`` for the VideoLogger."""
+    prompts = list(batch["prompts"])
+    traj = rollout(module.generator, prompts, latent_shape, seed, batch["index"].cpu(), config, record=False)
+    return log_validation_rewards(module, scorer, module.generator.decode(traj.final), prompts)
 
 
 #: a loss unit: () -> (loss to back-propagate (already scaled), {stat: weighted value}, stat weight)

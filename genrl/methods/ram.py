@@ -52,18 +52,19 @@ from genrl.flow.parameterization import add_noise
 from genrl.methods.common import (
     Scorer,
     build_policy,
+    configure_policy_optimizer,
+    default_latent_shape,
     gather_batch,
-    log_validation_rewards,
-    policy_optimizer,
+    ode_validation_config,
     policy_spec,
     trainer_of,
 )
-from genrl.methods.phases import collect_endpoints, group_advantages_of, optimizer_steps, score
+from genrl.methods.phases import collect_endpoints, flat_validation, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
 from genrl.noise import mix_seed, randn_per_sample
-from genrl.rollout.sampler import RolloutConfig, rollout
+from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["RAM"]
 
@@ -174,19 +175,14 @@ class RAM(LightningModule):
         self.generator_spec = policy_spec(self, generator)
         base = rollout or RolloutConfig(kernel="ode")
         self.rollout_config = RolloutConfig(**{**vars(base), "kernel": "ode"})  # endpoints: deterministic ODE
-        self.eval_config = eval_rollout or RolloutConfig(
-            kernel="ode", num_steps=self.rollout_config.num_steps, shift=self.rollout_config.shift,
-            cfg_scale=self.rollout_config.cfg_scale, micro_batch_size=self.rollout_config.micro_batch_size)
+        self.eval_config = eval_rollout or ode_validation_config(self.rollout_config)
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
         self.generator = None
         self.old_policy = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self.register_buffer("initial_self_consistency", torch.full((), float("nan")))
-        specs = rewards if rewards is not None else [{"name": "shapes"}]
-        if not specs:
-            raise ValueError("RAM needs at least one reward; e.g. rewards: [{name: shapes}]")
-        self.scorer = Scorer(specs, reward_combine)
+        self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
@@ -194,8 +190,7 @@ class RAM(LightningModule):
         if self.generator is not None:
             return
         gen = build_policy(self.generator_spec, self.hparams.lora)
-        if self.latent_shape is None:
-            self.latent_shape = tuple(getattr(gen, "latent_shape", (8, 3, 16, 16)))
+        self.latent_shape = default_latent_shape(gen, self.latent_shape)
         self.roles.trainable("generator", gen)
         if self._needs_reference():
             self.roles.reference_copy(gen)  # the initial weights (none stored under LoRA: adapter disabled)
@@ -206,8 +201,7 @@ class RAM(LightningModule):
     def _needs_reference(self) -> bool:
         return self.hparams.objective == "ram" or self.hparams.kl_beta > 0
 
-    def configure_optimizers(self):
-        return policy_optimizer(self.generator, self.optimizer_factory)
+    configure_optimizers = configure_policy_optimizer
 
     # ------------------------------------------------------------------ pieces
     def timesteps(self, index: torch.Tensor, it: int, draw: int) -> torch.Tensor:
@@ -331,9 +325,4 @@ class RAM(LightningModule):
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
-        prompts = list(batch["prompts"])
-        traj = rollout(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
-                       self.eval_config, record=False)
-        videos = self.generator.decode(traj.final)
-        log_validation_rewards(self, self.scorer, videos, prompts)
-        return {"videos": videos, "prompts": prompts}
+        return flat_validation(self, self.scorer, batch, self.eval_config, self.latent_shape, self.hparams.seed)

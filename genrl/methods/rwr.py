@@ -17,7 +17,15 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import add_noise
 from genrl.flow.forward_rl import advantage_weighted_fm_loss, sample_timesteps
-from genrl.methods.common import Scorer, build_policy, log_validation_rewards, policy_optimizer, policy_spec, trainer_of
+from genrl.methods.common import (
+    Scorer,
+    build_policy,
+    configure_policy_optimizer,
+    default_latent_shape,
+    log_validation_rewards,
+    policy_spec,
+    trainer_of,
+)
 from genrl.methods.phases import collect_endpoints, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
@@ -52,19 +60,18 @@ class RewardWeightedRegression(LightningModule):
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.generator_spec = policy_spec(self, generator)
         self.generator, self.roles = None, Roles(self)
-        self.scorer = Scorer(rewards or [{"name": "shapes"}])
+        self.scorer = Scorer(rewards)
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
 
     def configure_model(self) -> None:
         if self.generator is None:
             h = self.hparams
             gen = build_policy(self.generator_spec, h.lora)
-            self.latent_shape = self.latent_shape or tuple(getattr(gen, "latent_shape", (8, 3, 16, 16)))
+            self.latent_shape = default_latent_shape(gen, self.latent_shape)
             self.roles.trainable("generator", gen)
             self.scorer.build(trainer_of(self))
 
-    def configure_optimizers(self):
-        return policy_optimizer(self.generator, self.optimizer_factory)
+    configure_optimizers = configure_policy_optimizer
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
         h, gen, it = self.hparams, self.generator, int(self.iteration)
@@ -93,5 +100,4 @@ class RewardWeightedRegression(LightningModule):
         prompts = list(batch["prompts"])
         ro = collect_endpoints(self.generator, prompts, self.latent_shape, self.hparams.seed, batch["index"].cpu(),
                                self.rollout_config, 0)
-        log_validation_rewards(self, self.scorer, ro.pixels, prompts)
-        return {"videos": ro.pixels, "prompts": prompts}
+        return log_validation_rewards(self, self.scorer, ro.pixels, prompts)
