@@ -155,3 +155,18 @@ def test_reference_copy_without_lora_is_frozen_initial_weights():
         assert torch.allclose(gen.velocity(x), nn.functional.linear(x, init, net.bias))
     assert owner.generator.transformer is net and torch.equal(ref.weight, init)
     assert isinstance(LaggedCopy(net), LaggedCopy)
+
+
+def test_one_optimizer_per_trainable_role():
+    owner = _owner_with(nn.Linear(3, 3))
+    owner.roles.trainable("critic", nn.Linear(3, 2))
+    owner.roles.frozen("teacher", nn.Linear(3, 3))
+    opt_g, opt_c = owner.roles.optimizers(generator=torch.optim.SGD, critic=lambda p: torch.optim.Adam(p, lr=0.1))
+    assert [p for g in opt_g.param_groups for p in g["params"]] == list(owner.generator.transformer.parameters())
+    assert [p for g in opt_c.param_groups for p in g["params"]] == list(owner.critic.parameters())
+    assert isinstance(opt_c, torch.optim.Adam) and opt_c.param_groups[0]["lr"] == 0.1
+    with pytest.raises(ValueError, match="not a trainable role"):
+        owner.roles.optimizers(teacher=torch.optim.SGD)
+    owner.generator.transformer.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters in the 'generator'"):
+        owner.roles.optimizers(generator=torch.optim.SGD)

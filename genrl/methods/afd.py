@@ -46,6 +46,7 @@ from genrl.flow.nft import (
 from genrl.methods.common import (
     Scorer,
     build_student,
+    check_finite,
     frame_shape_of,
     gather_batch,
     log_validation_rewards,
@@ -180,9 +181,7 @@ class AFD(LightningModule):
         self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
-        student = [p for p in self.generator.transformer.parameters() if p.requires_grad]
-        disc = [p for p in self.discriminator.parameters() if p.requires_grad]
-        return [self.student_factory(student), self.disc_factory(disc)]
+        return self.roles.optimizers(generator=self.student_factory, discriminator=self.disc_factory)
 
     # ------------------------------------------------------------------ pieces
     @property
@@ -346,9 +345,7 @@ class AFD(LightningModule):
         self.log("train/iteration", float(self.iteration), batch_size=bs)
 
     def _check_finite(self, loss: torch.Tensor, role: str) -> None:
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite {role} loss {loss.item()} at iteration {int(self.iteration)}; lower "
-                                     f"the {role} learning rate")
+        check_finite(loss, role, int(self.iteration))
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()

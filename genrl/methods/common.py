@@ -17,7 +17,7 @@ from genrl.models.lora import LoraSpec
 from genrl.rewards import RewardManager
 from genrl.rollout.sampler import RolloutConfig
 
-__all__ = ["SHAPES_DIT", "Scorer", "build_policy", "build_student", "configure_policy_optimizer",
+__all__ = ["SHAPES_DIT", "Scorer", "build_policy", "build_student", "check_finite", "configure_policy_optimizer",
            "default_latent_shape", "frame_shape_of", "gather_batch", "log_validation_rewards", "ode_validation_config",
            "policy_optimizer",
            "policy_spec", "rank_slice", "trainer_of", "world_of"]
@@ -181,6 +181,13 @@ def ode_validation_config(rollout: RolloutConfig, num_steps: int | None = None) 
     scale and micro-batch, ``num_steps`` steps (default: the rollout's)."""
     return RolloutConfig(kernel="ode", num_steps=num_steps or rollout.num_steps, shift=rollout.shift,
                          cfg_scale=rollout.cfg_scale, micro_batch_size=rollout.micro_batch_size)
+
+
+def check_finite(loss: torch.Tensor, role: str, iteration: int, hint: str = "") -> None:
+    """Raise FloatingPointError naming the role, the value and the iteration when ``loss`` is NaN / inf."""
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite {role} loss {loss.item()} at iteration {iteration}; lower the {role} "
+                                 f"learning rate{hint}")
 
 
 def default_latent_shape(generator, latent_shape=None) -> tuple[int, ...]:

@@ -29,7 +29,15 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import add_noise
 from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sample_dmd_sigma, sid_loss
-from genrl.methods.common import Scorer, build_student, frame_shape_of, log_validation_rewards, policy_spec, trainer_of
+from genrl.methods.common import (
+    Scorer,
+    build_student,
+    check_finite,
+    frame_shape_of,
+    log_validation_rewards,
+    policy_spec,
+    trainer_of,
+)
 from genrl.methods.distill import ScoreRole, causal_samples, exit_step_of, real_x0, student_rollout
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
@@ -158,9 +166,7 @@ class DMD(LightningModule):
         self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
-        gen_params = [p for p in self.generator.transformer.parameters() if p.requires_grad]
-        critic_params = [p for p in self.critic.parameters() if p.requires_grad]
-        return [self.generator_factory(gen_params), self.critic_factory(critic_params)]
+        return self.roles.optimizers(generator=self.generator_factory, critic=self.critic_factory)
 
     # ------------------------------------------------------------------ roles
     @property
@@ -279,9 +285,7 @@ class DMD(LightningModule):
         self.log("train/iteration", float(self.iteration), batch_size=bs)
 
     def _check_finite(self, loss: torch.Tensor, role: str) -> None:
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite {role} loss {loss.item()} at iteration {int(self.iteration)}; lower "
-                                     f"the {role} learning rate or check the teacher / critic weights")
+        check_finite(loss, role, int(self.iteration), " or check the teacher / critic weights")
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()

@@ -272,6 +272,25 @@ class Roles:
         """theta_old <- decay theta_old + (1 - decay) theta for the lagged role ``name`` of the policy."""
         self.get(name).update(self.owner.generator.transformer, decay)
 
+    def optimizers(self, **factories) -> list:
+        """One optimizer per trainable role, in the order given: ``factories`` maps a role name to an optimizer
+        factory (``OptimizerCallable``) applied to that role's trainable parameters (a generator's transformer's).
+
+        Raises:
+            ValueError: a role that is not trainable, or one without any trainable parameter (names it).
+        """
+        out = []
+        for name, factory in factories.items():
+            if name not in self.table or self.table[name].kind != "trainable":
+                raise ValueError(f"optimizers for {name!r}: not a trainable role (trainable: "
+                                 f"{sorted(n for n, r in self.table.items() if r.kind == 'trainable')})")
+            module = self.get(name)
+            params = [p for p in getattr(module, "transformer", module).parameters() if p.requires_grad]
+            if not params:
+                raise ValueError(f"no trainable parameters in the {name!r} role; check its lora / spec config")
+            out.append(factory(params))
+        return out
+
     def shardable(self) -> dict[str, nn.Module]:
         """``{role: module}`` of every network a strategy may wrap or shard (the policy's transformer, trainable and
         frozen networks; lagged copies follow the policy's parameters)."""
