@@ -47,8 +47,8 @@ def check_legacy_keys(args) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     found: list[tuple[str, str]] = []
     for i, a in enumerate(argv):
-        path = argv[i + 1] if a == "--config" and i + 1 < len(argv) else a[len("--config="):] \
-            if a.startswith("--config=") else None
+        path = argv[i + 1] if a in ("--config", "-c") and i + 1 < len(argv) else a.split("=", 1)[1] \
+            if a.startswith(("--config=", "-c=")) else None
         if path is not None and Path(path).is_file():
             cfg = yaml.safe_load(Path(path).read_text()) or {}
             init = ((cfg.get("model") or {}).get("init_args") or {}) if isinstance(cfg, dict) else {}

@@ -187,5 +187,7 @@ def test_old_style_policy_keys_name_the_new_generator_key(tmp_path):
                    "assets/shapes-dit\n    text_encoder: minilm\n")
     with pytest.raises(ValueError, match=r"model.init_args.transformer .*replaced by model.init_args.generator"):
         _cli(["--config", str(ROOT / "configs/quickstart.yaml"), "--config", str(old)], run=False)
+    with pytest.raises(ValueError, match=r"model.init_args.transformer .*replaced"):  # the short -c form too
+        _cli(["-c", str(ROOT / "configs/quickstart.yaml"), "-c", str(old)], run=False)
     with pytest.raises(ValueError, match=r"text_encoder.*replaced by model.init_args.generator.text_encoder"):
         _cli(["--config", str(ROOT / "configs/quickstart.yaml"), "--model.init_args.text_encoder=minilm"], run=False)

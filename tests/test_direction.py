@@ -43,6 +43,8 @@ CASES = {
             ["--model.init_args.optimizer.init_args.lr=0.003"], 4),
     "awm": (["configs/ram/shapes.yaml", "configs/ram/awm_shapes.yaml", "configs/tiny/ram.yaml"],
             ["--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    "rwr": (["configs/rwr/shapes.yaml", "configs/tiny/rwr.yaml"],
+            ["--model.init_args.beta=3.0", "--model.init_args.optimizer.init_args.lr=0.003"], 4),
 }
 
 PROMPTS = ["a red circle moving left", "a blue square staying still", "a green triangle moving up",

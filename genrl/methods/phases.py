@@ -10,8 +10,8 @@
   backward pass. The units depend only on the local batch size, never on the validity mask, so every rank runs the
   same backward passes and optimizer steps.
 
-Methods are short compositions of these (GRPO, BranchGRPO, RAM, and the reward-weighted regression example in
-tests/test_new_method.py); nothing here holds state.
+Methods are short compositions of these (GRPO, BranchGRPO, RAM, and the reward-weighted regression example,
+genrl/methods/rwr.py); nothing here holds state.
 """
 
 from __future__ import annotations
@@ -93,13 +93,13 @@ def collect_tree(generator, prompts: list[str], latent_shape, seed: int, index: 
                  tree: TreeConfig, reward_on: Literal["x0", "final"] = "x0") -> Rollouts:
     """One tree per prompt (BranchGRPO) from the sampler's tree mode; the leaves (their last-step x0 prediction, or
     the final latents) are decoded for scoring, one prompt per leaf."""
-    _eval_mode(generator)
+    was = _eval_mode(generator)
     ro = tree_rollout(generator, prompts, latent_shape, seed, index, config, tree)
     leaves = ro.x0 if reward_on == "x0" else ro.leaves
     leaf_prompts = [prompts[int(t)] for t in ro.tree[-1]]
     with torch.no_grad():
         pixels = generator.decode(leaves.to(generator.device))
-    generator.train()
+    generator.train(was)
     return Rollouts(leaf_prompts, pixels, ro)
 
 

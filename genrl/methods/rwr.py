@@ -89,7 +89,7 @@ class RewardWeightedRegression(LightningModule):
             eps = randn_per_sample(x0.shape[1:], mix_seed(h.seed, it, 42), index, device=x0.device)
             v = gen.velocity(add_noise(x0, eps, t), t, gen.encode_prompts(prompts)).float()
             loss = advantage_weighted_fm_loss(v, eps - x0, w.to(v.device))
-            return loss, {"loss": float(loss)}, 1
+            return loss, {"loss": float(loss.detach())}, 1
 
         stats = optimizer_steps(self, self.optimizers(), [[unit]], h.max_grad_norm)
         self.log("train/loss", stats["loss"], batch_size=len(prompts))
