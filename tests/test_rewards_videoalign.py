@@ -9,11 +9,7 @@ import pytest
 import torch
 
 from genrl.rewards import available_rewards, build_reward
-from genrl.rewards.videoalign import (
-    VideoAlignReward,
-    build_prompt,
-    mrope_position_ids,
-)
+from genrl.rewards.videoalign import VideoAlignReward, build_prompt, mrope_position_ids
 from genrl.testing.rewards import TINY_VIDEOALIGN_STATS as TINY_STATS
 from genrl.testing.rewards import build_tiny_videoalign as build_tiny
 

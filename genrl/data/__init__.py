@@ -14,13 +14,7 @@ from genrl.data.teacher_videos import (
     encode_clips,
 )
 from genrl.data.video_folder import VideoFolderDataModule, VideoFolderDataset, collate_videos
-from genrl.data.video_io import (
-    VideoInfo,
-    VideoReadError,
-    probe_video,
-    read_video,
-    write_video,
-)
+from genrl.data.video_io import VideoInfo, VideoReadError, probe_video, read_video, write_video
 
 __all__ = [
     "ShapeSpec",

@@ -36,13 +36,7 @@ from typing import Literal
 import torch
 
 from genrl.flow.broadcast import _expand, compute_dtype
-from genrl.flow.fm_core import (
-    _check_nonnegative,
-    _check_per_sample,
-    _check_positive,
-    _check_same_shape,
-    sample_mse,
-)
+from genrl.flow.fm_core import _check_nonnegative, _check_per_sample, _check_positive, _check_same_shape, sample_mse
 from genrl.flow.nft import advantage_to_r, nft_loss
 from genrl.flow.schedules import shift_sigmas
 from genrl.noise import rand_per_sample

@@ -28,13 +28,7 @@ import torch.nn.functional as F
 
 from genrl.flow.broadcast import SigmaLike, _expand, compute_dtype, expand_sigma
 from genrl.flow.dmd import _element_mask
-from genrl.flow.fm_core import (
-    _check_positive,
-    _check_same_shape,
-    _per_sample_mean,
-    _sample_counts,
-    sample_mse,
-)
+from genrl.flow.fm_core import _check_positive, _check_same_shape, _per_sample_mean, _sample_counts, sample_mse
 from genrl.flow.policy import AdvantageStd, group_advantages
 
 __all__ = [

@@ -54,13 +54,14 @@ from genrl.methods.common import (
     rank_slice,
     trainer_of,
 )
-from genrl.methods.distill import causal_samples, student_rollout
+from genrl.methods.distill import causal_samples, chunk_noise_levels, paired_instance_noise, student_rollout
+from genrl.methods.phases import optimizer_steps
 from genrl.models.discriminator import VideoDiscriminator
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles
+from genrl.models.roles import Roles, ramped_decay
 from genrl.models.spec import ModelSpec
-from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.autoregressive import ChunkSchedule, teacher_forced_velocity
 
 __all__ = ["AFD"]
@@ -206,19 +207,11 @@ class AFD(LightningModule):
                                         double_backward=double_backward)
 
     def _disc_noise(self, teacher: torch.Tensor, student: torch.Tensor, it: int, salt: int):
-        """Instance noise: (teacher_sigma [B], noised teacher, student_sigma [B*K], noised student), or the clean
-        inputs with sigma None when ``disc_noise_max`` is 0."""
-        if self.hparams.disc_noise_max <= 0:
-            return None, teacher, None, student
-        k = self.hparams.samples_per_prompt
-        g = torch.Generator().manual_seed(mix_seed(self.hparams.seed, it, salt))
-        sig_t = (torch.rand(teacher.shape[0], generator=g) * self.hparams.disc_noise_max).to(teacher.device)
-        eps_t = torch.randn(teacher.shape, generator=g).to(teacher.device)
-        eps_s = torch.randn(student.shape, generator=g).to(student.device)
-        sig_s = sig_t.repeat_interleave(k)
-        fd = self.frame_dim
-        return (sig_t, add_noise(teacher, eps_t, sig_t, frame_dim=fd), sig_s,
-                add_noise(student, eps_s, sig_s, frame_dim=fd))
+        """Instance noise of the (teacher, student) pairs (:func:`~genrl.methods.distill.paired_instance_noise`),
+        addressed by (seed, iteration, salt)."""
+        h = self.hparams
+        return paired_instance_noise(teacher, student, h.samples_per_prompt, h.disc_noise_max,
+                                     mix_seed(h.seed, it, salt), self.frame_dim)
 
     def discriminator_loss(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s, salt: int = 0):
         """BT loss on (teacher, student) pairs (teacher rows repeated K times) + R1 / R2; returns (loss, accuracy)."""
@@ -247,27 +240,13 @@ class AFD(LightningModule):
         adv = rank_slice(self, centered_advantages(gather_batch(self, d), clip=self.hparams.clip_c), len(d))
         return d, adv.to(d.device), advantage_to_r(adv, self.hparams.clip_c).to(d.device)
 
-    def _sigma(self, indices: torch.Tensor, it: int, step: int, num_frames: int) -> torch.Tensor:
-        """sigma [B, T] constant inside each chunk (or per video): one of the student's step sigmas, or uniform in
-        (0.02, 0.98)."""
-        causal = self.schedule.causal
-        chunks = causal.num_chunks(num_frames) if self.hparams.sigma_per_chunk else 1
-        u = rand_per_sample((chunks,), mix_seed(self.hparams.seed, it), indices, step=step, stream=_STREAM_SIGMA)
-        if self.hparams.sigma_from_schedule:
-            levels = self.schedule.sigmas()[:-1].float()
-            u = levels[(u * len(levels)).long().clamp_max(len(levels) - 1)]
-        else:
-            u = 0.02 + 0.96 * u
-        if not self.hparams.sigma_per_chunk:
-            return u.expand(len(indices), num_frames).contiguous()
-        lengths = torch.tensor([causal.chunk_len(k) for k in range(chunks)])
-        return u.repeat_interleave(lengths, dim=1)
-
     def nft_step_loss(self, x0: torch.Tensor, r: torch.Tensor, cond, indices: torch.Tensor, it: int, step: int):
         """DiffusionNFT loss (+ reference term) on the student's own samples ``x0`` with optimality ``r`` [B]."""
         fd = self.frame_dim
         t = x0.shape[fd]
-        sigma = self._sigma(indices, it, step, t).to(x0.device)
+        h = self.hparams
+        sigma = chunk_noise_levels(self.schedule, indices, mix_seed(h.seed, it), step, _STREAM_SIGMA, t,
+                                   h.sigma_per_chunk, h.sigma_from_schedule).to(x0.device)
         eps = randn_per_sample(x0.shape[1:], mix_seed(self.hparams.seed, it), indices, step=step, stream=_STREAM_EPS,
                                device=x0.device)
         x_t = add_noise(x0, eps, sigma, frame_dim=fd)
@@ -287,13 +266,6 @@ class AFD(LightningModule):
             stats["ref_reg"] = reg.detach()
         return loss, stats
 
-    @torch.no_grad()
-    def update_old_policy(self) -> float:
-        """theta_old <- eta theta_old + (1 - eta) theta, eta = min(ramp * iteration, max); returns eta."""
-        eta = min(self.hparams.old_decay_ramp * int(self.iteration), self.hparams.old_decay_max)
-        self.roles.update_lagged("old_policy", eta)
-        return eta
-
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
         if "teacher_pixels" not in batch:
@@ -312,40 +284,34 @@ class AFD(LightningModule):
         student = self.student_rollouts(cond_s, s_indices, mix_seed(self.hparams.seed, it, 1))
         bs = len(s_prompts)
 
-        for d_step in range(self.hparams.discriminator_steps):
-            opt_d.zero_grad()
+        h, last = self.hparams, {}
+
+        def disc_unit(d_step: int):  # one discriminator step per unit; the last step's loss and accuracy are logged
             loss_d, acc = self.discriminator_loss(teacher, student, cond_t, cond_s, salt=100 + d_step)
-            self._check_finite(loss_d, "discriminator")
-            self.manual_backward(loss_d)
-            if self.hparams.max_grad_norm > 0:
-                self.clip_gradients(opt_d, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
-            opt_d.step()
-        self.log("train/disc_loss", loss_d.detach(), batch_size=bs)
-        self.log("train/disc_accuracy", acc, prog_bar=True, batch_size=bs)
+            last.update(loss=loss_d.detach(), acc=acc)
+            return loss_d, {}, 1
+
+        optimizer_steps(self, opt_d, [[lambda s=s: disc_unit(s)] for s in range(h.discriminator_steps)],
+                        h.max_grad_norm, check_finite=lambda loss: check_finite(loss, "discriminator", it))
+        self.log("train/disc_loss", last["loss"], batch_size=bs)
+        self.log("train/disc_accuracy", last["acc"], prog_bar=True, batch_size=bs)
 
         d, adv, r = self.advantages(teacher, student, cond_t, cond_s)
         self.log("train/score_gap", d.mean(), batch_size=bs)
         self.log("train/r_mean", r.mean(), batch_size=bs)
-        opt_s.zero_grad()
-        stats_sum: dict[str, float] = {}
-        for step in range(self.hparams.nft_steps):
+
+        def nft_unit(step: int):  # the NFT steps accumulate into one optimizer step; stats are already means (weight 0)
             loss, stats = self.nft_step_loss(student, r, cond_s, s_indices, it, step)
-            self._check_finite(loss, "student")
-            self.manual_backward(loss / self.hparams.nft_steps)
-            for key, value in stats.items():
-                stats_sum[key] = stats_sum.get(key, 0.0) + float(value) / self.hparams.nft_steps
-        if self.hparams.max_grad_norm > 0:
-            self.clip_gradients(opt_s, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
-        opt_s.step()
-        eta = self.update_old_policy()
+            return loss / h.nft_steps, {k: float(v) / h.nft_steps for k, v in stats.items()}, 0
+
+        stats_sum = optimizer_steps(self, opt_s, [[lambda s=s: nft_unit(s) for s in range(h.nft_steps)]],
+                                    h.max_grad_norm, check_finite=lambda loss: check_finite(loss, "student", it))
+        eta = self.roles.update_lagged("old_policy", ramped_decay(it, h.old_decay_ramp, h.old_decay_max))
         for key, value in stats_sum.items():
             self.log(f"train/{key}", value, batch_size=bs)
         self.log("train/old_policy_eta", eta, batch_size=bs)
         self.iteration += 1
         self.log("train/iteration", float(self.iteration), batch_size=bs)
-
-    def _check_finite(self, loss: torch.Tensor, role: str) -> None:
-        check_finite(loss, role, int(self.iteration))
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()

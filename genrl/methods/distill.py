@@ -14,14 +14,16 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from genrl.flow import x0_from_velocity
+from genrl.flow import add_noise, x0_from_velocity
 from genrl.flow.guidance import cfg_combine
 from genrl.methods.common import trainer_of
 from genrl.models.roles import swapped_transformer
 from genrl.models.text_encoder import Conditioning
+from genrl.noise import rand_per_sample
 from genrl.rollout.autoregressive import ARResult, ChunkSchedule, ar_rollout, sample_exit_step
 
-__all__ = ["ScoreRole", "causal_samples", "exit_step_of", "real_x0", "student_rollout"]
+__all__ = ["ScoreRole", "causal_samples", "chunk_noise_levels", "exit_step_of", "paired_instance_noise", "real_x0",
+           "student_rollout"]
 
 
 class ScoreRole:
@@ -86,3 +88,49 @@ def causal_samples(generator, prompts: list[str], indices, schedule: ChunkSchedu
     cond = generator.encode_prompts(list(prompts))
     idx = None if indices is None else torch.as_tensor(indices).cpu()
     return ar_rollout(generator, cond, num_chunks, frame_shape, schedule, seed=seed, indices=idx).latents
+
+
+def paired_instance_noise(teacher: torch.Tensor, student: torch.Tensor, samples_per_prompt: int, max_sigma: float,
+                          seed: int, frame_dim: int = 1):
+    """Instance noise for a prompt-paired discriminator (teacher clip b is compared with its K student samples):
+    sigma_b ~ U[0, max_sigma] per teacher clip, shared by its K students, fresh Gaussian noise per clip, inputs noised
+    as x_sigma = (1 - sigma) x + sigma eps. All drawn from one CPU generator seeded with ``seed``.
+
+    Args:
+        teacher: [B, *latent]; student: [B * K, *latent] (teacher b's samples at rows b K .. b K + K - 1).
+    Returns:
+        ``(sigma_teacher [B], noised teacher, sigma_student [B * K], noised student)``; with ``max_sigma <= 0`` the
+        clean inputs and None sigmas.
+    """
+    if max_sigma <= 0:
+        return None, teacher, None, student
+    g = torch.Generator().manual_seed(seed)
+    sig_t = (torch.rand(teacher.shape[0], generator=g) * max_sigma).to(teacher.device)
+    eps_t = torch.randn(teacher.shape, generator=g).to(teacher.device)
+    eps_s = torch.randn(student.shape, generator=g).to(student.device)
+    sig_s = sig_t.repeat_interleave(samples_per_prompt)
+    return (sig_t, add_noise(teacher, eps_t, sig_t, frame_dim=frame_dim), sig_s,
+            add_noise(student, eps_s, sig_s, frame_dim=frame_dim))
+
+
+def chunk_noise_levels(schedule: ChunkSchedule, indices: torch.Tensor, seed: int, step: int, stream: int,
+                       num_frames: int, per_chunk: bool = True, from_schedule: bool = True) -> torch.Tensor:
+    """Per-frame noise levels sigma [B, T] of a causal student's training sample: one level per chunk (diffusion
+    forcing; ``per_chunk=False``: one per video), each one of the student's own step sigmas (``from_schedule``,
+    where a few-step student is evaluated) or uniform in (0.02, 0.98). Addressed by (seed, sample index, step,
+    stream), so any batch split draws the same values.
+
+    Raises:
+        ValueError: ``num_frames`` off a chunk boundary (from the chunk layout).
+    """
+    causal = schedule.causal
+    chunks = causal.num_chunks(num_frames) if per_chunk else 1
+    u = rand_per_sample((chunks,), seed, indices, step=step, stream=stream)
+    if from_schedule:
+        levels = schedule.sigmas()[:-1].float()
+        u = levels[(u * len(levels)).long().clamp_max(len(levels) - 1)]
+    else:
+        u = 0.02 + 0.96 * u
+    if not per_chunk:
+        return u.expand(len(indices), num_frames).contiguous()
+    return u.repeat_interleave(torch.tensor([causal.chunk_len(k) for k in range(chunks)]), dim=1)

@@ -62,7 +62,7 @@ from genrl.methods.common import (
 from genrl.methods.phases import collect_endpoints, flat_validation, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles
+from genrl.models.roles import Roles, ramped_decay
 from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig
 
@@ -267,9 +267,8 @@ class RAM(LightningModule):
 
     def update_old_policy(self) -> float:
         """theta_old <- d theta_old + (1 - d) theta, d = min(ramp * iteration, max); returns d."""
-        d = min(self.hparams.old_decay_ramp * int(self.iteration), self.hparams.old_decay_max)
-        self.roles.update_lagged("old_policy", d)
-        return d
+        return self.roles.update_lagged("old_policy", ramped_decay(int(self.iteration), self.hparams.old_decay_ramp,
+                                                                   self.hparams.old_decay_max))
 
     # ------------------------------------------------------------------ training
     def advantage_monitors(self, scores, adv_all: torch.Tensor, it: int) -> None:

@@ -35,7 +35,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["FrozenRoles", "LaggedCopy", "Role", "RoleKind", "Roles", "has_lora", "swapped_transformer"]
+__all__ = ["FrozenRoles", "LaggedCopy", "Role", "RoleKind", "Roles", "has_lora", "ramped_decay",
+           "swapped_transformer"]
 
 RoleKind = Literal["trainable", "frozen", "lagged"]
 
@@ -171,6 +172,12 @@ class LaggedCopy(nn.Module):
             s.lerp_(p.detach().to(s.dtype), 1.0 - decay)
 
 
+def ramped_decay(iteration: int, ramp: float, maximum: float) -> float:
+    """The old-policy EMA decay of DiffusionNFT / RAM: d = min(ramp * iteration, maximum) (0 at the start: theta_old
+    follows theta exactly, then lags more and more, up to ``maximum``)."""
+    return min(ramp * iteration, maximum)
+
+
 @dataclass(frozen=True)
 class Role:
     """One declared network: its name (the attribute / key it is found under), kind and whether it is stored."""
@@ -268,9 +275,10 @@ class Roles:
         with swapped_transformer(generator, role) as gen:
             yield gen
 
-    def update_lagged(self, name: str, decay: float) -> None:
-        """theta_old <- decay theta_old + (1 - decay) theta for the lagged role ``name`` of the policy."""
+    def update_lagged(self, name: str, decay: float) -> float:
+        """theta_old <- decay theta_old + (1 - decay) theta for the lagged role ``name``; returns ``decay``."""
         self.get(name).update(self.owner.generator.transformer, decay)
+        return decay
 
     def optimizers(self, **factories) -> list:
         """One optimizer per trainable role, in the order given: ``factories`` maps a role name to an optimizer
