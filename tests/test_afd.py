@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from genrl.cli import GenRLCLI
+from genrl.flow.nft import bt_loss
+from genrl.methods.distill import paired_instance_noise
+from genrl.noise import mix_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 AFD_CFG = str(ROOT / "configs/afd/shapes.yaml")
@@ -90,7 +93,7 @@ def test_afd_on_real_video_clips_discriminator_beats_chance(tmp_path, monkeypatc
         with torch.no_grad():
             teacher = model.teacher_latents(batch["teacher_pixels"])
             student = model.student_rollouts(cond, torch.arange(len(prompts)) + 1000 + 10 * i, seed=123)
-            wins.append(model.scores(teacher, cond) > model.scores(student, cond))
+            wins.append(model.discriminator.score(teacher, cond) > model.discriminator.score(student, cond))
     acc = torch.cat(wins).float().mean()
     print(f"real-video AFD: discriminator accuracy on {len(torch.cat(wins))} fresh pairs {acc:.3f}")
     assert acc > 0.5, f"discriminator accuracy {acc:.2f} is not above chance"
@@ -116,15 +119,30 @@ def test_instance_noise_pairs_share_sigma(tmp_path, monkeypatch, tiny_policy, ti
     model.configure_model()
     teacher = torch.randn(2, 8, 3, 16, 16)
     student = torch.randn(6, 8, 3, 16, 16)
-    sig_t, y, sig_s, x = model._disc_noise(teacher, student, it=0, salt=1)
+    seed = mix_seed(model.hparams.seed, 0, 1)  # (seed, iteration 0, salt 1)
+    sig_t, y, sig_s, x = paired_instance_noise(teacher, student, 3, 0.5, seed)
     assert sig_t.shape == (2,) and torch.equal(sig_s, sig_t.repeat_interleave(3))
     assert bool(((sig_t >= 0) & (sig_t <= 0.5)).all())
     expected_mean = (1 - sig_t)[:, None, None, None, None] * teacher
     assert not torch.allclose(y, teacher) and torch.allclose((y - expected_mean).std(), sig_t.mean(), rtol=0.5)
-    again = model._disc_noise(teacher, student, it=0, salt=1)
-    assert torch.equal(again[1], y) and torch.equal(again[3], x)  # addressed by (seed, iteration, salt)
+    again = paired_instance_noise(teacher, student, 3, 0.5, seed)
+    assert torch.equal(again[1], y) and torch.equal(again[3], x)  # addressed by the seed
+    assert paired_instance_noise(teacher, student, 3, 0.0, seed)[1] is teacher
+    # the method's discriminator loss scores exactly these noised pairs, with D told their sigmas (no R1 / R2 here)
+    model.hparams.r1_weight = model.hparams.r2_weight = 0.0
+    cond_t = model.generator.encode_prompts(["a red circle", "a blue square"])
+    cond_s = cond_t.select([0, 0, 0, 1, 1, 1])
+    with torch.no_grad():
+        loss, acc = model.discriminator_loss(teacher, student, cond_t, cond_s, salt=1)
+        s_y = model.discriminator.score(y, cond_t, sigma=sig_t).repeat_interleave(3)
+        s_x = model.discriminator.score(x, cond_s, sigma=sig_s)
+    assert torch.allclose(loss, bt_loss(s_y, s_x), atol=1e-6) and float(acc) == float((s_y > s_x).float().mean())
     model.hparams.disc_noise_max = 0.0
-    assert model._disc_noise(teacher, student, 0, 1)[1] is teacher
+    with torch.no_grad():
+        clean, _ = model.discriminator_loss(teacher, student, cond_t, cond_s, salt=1)
+        s_y0 = model.discriminator.score(teacher, cond_t).repeat_interleave(3)
+    assert torch.allclose(clean, bt_loss(s_y0, model.discriminator.score(student, cond_s)), atol=1e-6)
+    assert not torch.allclose(clean, loss)
 
 
 def test_advantages_are_normalised_over_the_gathered_batch(tmp_path, monkeypatch, tiny_policy, tiny_text_encoder,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import FrozenRoles, LaggedCopy, Roles
+from genrl.models.roles import FrozenRoles, LaggedCopy, Roles, RolloutCopy
 
 
 class _Owner(nn.Module):
@@ -170,3 +170,56 @@ def test_one_optimizer_per_trainable_role():
     owner.generator.transformer.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters in the 'generator'"):
         owner.roles.optimizers(generator=torch.optim.SGD)
+
+
+def test_rollout_copy_is_a_synced_low_precision_policy_never_checkpointed():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    owner = _owner_with(net)
+    ro = owner.roles.rollout_copy("rollout", owner.generator, dtype=torch.bfloat16)
+    assert owner.roles.table["rollout"].kind == "rollout" and not owner.roles.table["rollout"].checkpointed
+    assert not any(k.startswith("frozen.") for k in owner.state_dict())  # a function of the policy: not stored
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in ro.parameters())
+    owner.train()
+    assert not ro.module.training and owner.generator.training
+    # an update of the policy: the copy lags until synced, then holds exactly the bf16 cast of the live tensors
+    with torch.no_grad():
+        net[0].weight.add_(0.37)
+        net[1].running_mean.add_(1.5)
+    assert not torch.equal(ro.module[0].weight, net[0].weight.to(torch.bfloat16))
+    owner.roles.sync("rollout")
+    assert torch.equal(ro.module[0].weight, net[0].weight.to(torch.bfloat16))
+    assert torch.equal(ro.module[1].running_mean, net[1].running_mean.to(torch.bfloat16))
+    # the swap evaluates the generator with the copy (bf16 arithmetic), then restores the live transformer
+    x = torch.randn(3, 4)
+    owner.eval()
+    with torch.no_grad(), owner.roles.swap(owner.generator, "rollout") as gen:
+        y = gen.velocity(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and owner.generator.transformer is net
+    with torch.no_grad():
+        assert torch.allclose(y.float(), net(x), atol=0.1) and not torch.equal(y.float(), net(x))
+    assert "rollout" in owner.roles.shardable() and owner.roles.shardable()["rollout"] is ro.module
+    # with a quantizer the copy is rebuilt from the live weights on every sync
+    calls = []
+
+    def fake_quantize(m: nn.Module) -> nn.Module:
+        calls.append(1)
+        with torch.no_grad():
+            m[0].weight.copy_(m[0].weight.round())
+        return m
+
+    q = owner.roles.rollout_copy("rollout_q", owner.generator, quantize=fake_quantize)
+    with torch.no_grad():
+        net[0].weight.add_(2.2)
+    owner.roles.sync("rollout_q")
+    assert len(calls) == 2 and torch.equal(q.module[0].weight, net[0].weight.round())
+    with pytest.raises(KeyError, match="another module"):
+        RolloutCopy(nn.Linear(2, 2)).sync(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_a_planner_is_a_frozen_role():
+    """TempAct's planner (a local language model) is declared frozen: registered, sharded, never stored or trained."""
+    owner = _owner_with(nn.Linear(2, 2))
+    planner = owner.roles.frozen("planner", nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10)))
+    assert owner.roles.shardable()["planner"] is planner and not any(p.requires_grad for p in planner.parameters())
+    assert set(owner.state_dict()) == {"generator.transformer.weight", "generator.transformer.bias"}

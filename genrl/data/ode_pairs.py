@@ -54,6 +54,8 @@ from genrl.models.causal import CausalConfig
 from genrl.noise import sample_generator
 
 __all__ = [
+    "check_pair_sigmas",
+    "regression_inputs",
     "chunk_states_to_frames",
     "draw_chunk_states",
     "select_states",
@@ -473,3 +475,46 @@ def select_states(ode_latents: torch.Tensor, ode_sigmas: torch.Tensor, frame_sta
     x = ode_latents.gather(1, idx).squeeze(1)
     sigma = ode_sigmas.to(fs.device)[fs]
     return x, sigma
+
+
+def check_pair_sigmas(ode_sigmas: torch.Tensor, schedule) -> None:
+    """Check that stored ODE states lie at the student's noise levels.
+
+    Args:
+        ode_sigmas: [S + 1] (or a collated [B, S + 1]) sigmas of the stored states.
+        schedule: the student's :class:`~genrl.rollout.autoregressive.ChunkSchedule` (its ``sigmas()``).
+    Raises:
+        ValueError: the sigmas differ from ``schedule.sigmas()`` by more than 1e-6 (names both lists and how to
+            regenerate the pairs or change the schedule).
+    """
+    want = schedule.sigmas()
+    got = ode_sigmas.detach().to("cpu", torch.float64).reshape(-1)
+    if got.shape != want.shape or not torch.allclose(got, want, atol=1e-6, rtol=0):
+        raise ValueError(
+            f"the ODE pairs hold states at sigmas {[round(v, 6) for v in got.tolist()]} but the student's schedule "
+            f"(model.init_args.schedule: timesteps {schedule.timesteps}, shift {schedule.shift}, warp "
+            f"{schedule.warp}) needs {[round(v, 6) for v in want.tolist()]}; regenerate the pairs with the "
+            f"same list (pipelines/ode_pairs.py --student-timesteps ... --student-shift ...) or change the schedule"
+        )
+
+
+def regression_inputs(ode_latents: torch.Tensor, ode_sigmas: torch.Tensor, seed: int, sample_ids: torch.Tensor,
+                      step: int, causal: CausalConfig, draw_clean_state: bool = False, frame_dim: int = 1):
+    """The inputs of one ODE-regression batch (CausVid sec. 4.3): a state index per chunk (:func:`draw_chunk_states`,
+    among the S noisy states, or S + 1 with the clean one), spread to frames, and the stored frames of those states.
+
+    Args:
+        ode_latents: [B, S + 1, *latent]; ode_sigmas: [S + 1]; seed / sample_ids [B] / step: address the draws;
+        causal: the chunk layout; draw_clean_state: also draw the clean state S; frame_dim: frame axis of latents.
+    Returns:
+        ``(x [B, *latent], sigma float32 [B, T], target x0 [B, *latent], chunk_states int64 [B, K])``.
+    Raises:
+        ValueError: frames off a chunk boundary, or shapes that do not fit (from the helpers).
+    """
+    num_frames = ode_latents.shape[1 + frame_dim]
+    num_steps = ode_sigmas.numel() - 1
+    chunk_states = draw_chunk_states(seed, sample_ids.cpu(), step, causal.num_chunks(num_frames),
+                                     num_steps + 1 if draw_clean_state else num_steps)
+    frame_states = chunk_states_to_frames(chunk_states, causal, num_frames)
+    x, sigma = select_states(ode_latents, ode_sigmas.to(ode_latents.device), frame_states, frame_dim)
+    return x, sigma.to(torch.float32), ode_latents[:, num_steps], chunk_states

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -57,6 +58,7 @@ __all__ = [
     "nft_loss",
     "advantage_to_r",
     "velocity_monitors",
+    "ForwardRLObjective",
 ]
 
 AwmWeighting = Literal["uniform", "t", "t2", "huber", "ghuber"]
@@ -589,3 +591,78 @@ def velocity_monitors(
             "fm_mse_theta": mse(vt, uu),
             "fm_mse_ref": mse(vr, uu),
         }
+
+
+# --------------------------------------------------------------------------------------------
+# one objective, three losses
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardRLObjective:
+    """The loss of one forward-process RL unit, chosen among RAM, DiffusionNFT and AWM with their settings.
+
+    Attributes:
+        objective: ``"ram"`` (:func:`ram_loss`, multiplier m > 0), ``"nft"`` (:func:`nft_loss` with r = 1/2 +
+            clip(A, -C, C) / (2C), + ``kl_beta`` ||v - v_ref||^2) or ``"awm"`` (:func:`awm_loss`, log p_old from
+            v_old, + ``kl_beta`` / ``ema_kl_beta`` anchors).
+        multiplier: RAM's m; nft_beta / nft_clip / nft_adaptive: DiffusionNFT's beta, C and x0-space weighting;
+        awm_weighting / awm_p / awm_clip_range / awm_adv_clip: AWM's w(t, l), exponent, PPO clip, advantage clip;
+        kl_beta: reference anchor of NFT / AWM (RAM's anchor is in its target); ema_kl_beta: AWM's anchor to v_old.
+    Raises:
+        ValueError: an unknown objective, m not finite or <= 0, a negative anchor weight (each names the value).
+    """
+
+    objective: Literal["ram", "nft", "awm"] = "ram"
+    multiplier: float = 100.0
+    nft_beta: float = 1.0
+    nft_clip: float = 5.0
+    nft_adaptive: bool = True
+    awm_weighting: AwmWeighting = "ghuber"
+    awm_p: float = 0.25
+    awm_clip_range: float | None = None
+    awm_adv_clip: float = 5.0
+    kl_beta: float = 0.0
+    ema_kl_beta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("ram", "nft", "awm"):
+            raise ValueError(f"objective must be 'ram', 'nft' or 'awm', got {self.objective!r}")
+        m = self.multiplier
+        if not (isinstance(m, (int, float)) and math.isfinite(m) and m > 0):
+            raise ValueError(f"multiplier m must be a finite number > 0 (reference: 100 for GenEval / OCR-like "
+                             f"rewards, 1000 for PickScore-like ones), got {m!r}")
+        if self.kl_beta < 0 or self.ema_kl_beta < 0:
+            raise ValueError(f"kl_beta and ema_kl_beta must be >= 0, got {self.kl_beta}, {self.ema_kl_beta}")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads v_ref (RAM always; NFT / AWM with ``kl_beta`` > 0)."""
+        return self.objective == "ram" or self.kl_beta > 0
+
+    def loss(self, v: torch.Tensor, v_old: torch.Tensor, v_ref: torch.Tensor | None, u: torch.Tensor,
+             x_t: torch.Tensor, x0: torch.Tensor, t: torch.Tensor, advantages: torch.Tensor,
+             frame_dim: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The objective's loss on one unit.
+
+        Args:
+            v: current velocity at x_t with graph [B, ...]; v_old / v_ref: old-policy / reference velocities
+                (detached; v_ref None when :attr:`needs_reference` is False); u = eps - x0; x_t, x0: the noised
+                and clean samples; t: [B] in (0, 1]; advantages: A [B]; frame_dim: frame axis of the latents.
+        Returns:
+            (0-d loss with graph, AWM's detached statistics or ``{}``).
+        """
+        if self.objective == "ram":
+            return ram_loss(v, v_ref, v_old, u, advantages, self.multiplier, frame_dim=frame_dim), {}
+        if self.objective == "nft":
+            r = advantage_to_r(advantages, self.nft_clip)
+            loss = nft_loss(v, v_old, x_t, x0, t, r, beta=self.nft_beta, clip_c=self.nft_clip,
+                            adaptive=self.nft_adaptive, frame_dim=frame_dim)
+            if self.kl_beta > 0:
+                loss = loss + self.kl_beta * sample_mse(v, v_ref, frame_dim=frame_dim).mean()
+            return loss, {}
+        log_p_old = -awm_weight(sample_mse(v_old, u, frame_dim=frame_dim), t, self.awm_weighting, p=self.awm_p)
+        return awm_loss(v, u, t, advantages, weighting=self.awm_weighting, log_p_old=log_p_old,
+                        clip_range=self.awm_clip_range, adv_clip=self.awm_adv_clip, v_ref=v_ref, beta=self.kl_beta,
+                        v_ema=v_old if self.ema_kl_beta > 0 else None, beta_ema=self.ema_kl_beta,
+                        frame_dim=frame_dim, p=self.awm_p)

@@ -1,28 +1,19 @@
 """AFD: adversarial flow distillation of a causal student from a black-box teacher's finished videos.
 
-No teacher scores, latents, trajectories or step alignment: only the teacher's videos for the training prompts
-(an mp4 folder, :class:`genrl.data.TeacherVideoDataModule`, or any black box returning videos). The paper
-(arXiv 2605.26105) has no public code; this follows the formulation of docs/methods/distillation.md ("AFD"), derived
-from
-its abstract and DiffusionNFT (Zheng et al. 2025). Each iteration:
+Only the teacher's videos for the training prompts are used (an mp4 folder, :class:`genrl.data.TeacherVideoDataModule`):
+no teacher scores, latents or step alignment. The paper (arXiv 2605.26105) has no public code; this follows the
+formulation of docs/methods/distillation.md ("AFD"), derived from its abstract and DiffusionNFT (Zheng et al. 2025).
+Each iteration: (1) roll the student out K times per prompt (shared chunk-wise sampler, no gradient); (2) train a
+prompt-conditioned discriminator D with the Bradley-Terry loss softplus(-(D(teacher) - D(student))) (+ R1 / R2,
+optional instance noise); (3) turn the score gaps d = D(student) - D(teacher) into batch-centred, normalised,
+clipped advantages and r = 1/2 + clip(A, -C, C) / (2C); (4) update the student with the DiffusionNFT loss on its own
+forward-noised samples (a sigma per chunk, teacher-forced velocities) plus a regulariser toward the initial student;
+theta_old follows theta softly, theta_old <- eta theta_old + (1 - eta) theta, eta = min(ramp * step, eta_max). At
+theta = theta_old the update is clip(A) grad ||v - u||^2, an advantage-signed flow-matching step.
 
-1. roll out the current student K times per prompt with the shared chunk-wise sampler (no gradient);
-2. train a prompt-conditioned discriminator D on clean latents with the Bradley-Terry loss
-   softplus(-(D(teacher) - D(student))) (+ optional R1 / R2);
-3. turn the score gaps d = D(student) - D(teacher) into batch-centred, std-normalised, clipped advantages and
-   optimality probabilities r = 1/2 + clip(A, -C, C) / (2C);
-4. update the student with the DiffusionNFT loss on its own forward-noised samples (one sigma per chunk), the
-   velocities taken with teacher forcing (each chunk attends to the sample's own clean earlier chunks), plus a
-   regulariser toward the initial student; the old policy theta_old (used by the implicit positive / negative
-   policies) follows theta softly, theta_old <- eta theta_old + (1 - eta) theta with eta = min(ramp * step,
-   eta_max) (DiffusionNFT's schedule).
-
-At theta = theta_old (velocity form) the update is clip(A) * grad ||v - u||^2: an advantage-signed flow-matching
-step on the student's own samples (forward-process credit assignment, tests in tests/test_flow_nft.py).
-
-Optimization is manual with two optimizers (student, discriminator); ``trainer.max_steps`` counts optimizer steps
-of both (``discriminator_steps + 1`` per iteration). Everything random is addressed by (seed, iteration, sample
-index), so a resumed run repeats an uninterrupted one.
+Two optimizers (student, discriminator); ``trainer.max_steps`` counts optimizer steps of both
+(``discriminator_steps + 1`` per iteration). Randomness is addressed by (seed, iteration, sample index), so a resumed
+run repeats an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -34,27 +25,23 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import add_noise
-from genrl.flow.nft import (
-    advantage_to_r,
-    bt_loss,
-    centered_advantages,
-    nft_loss,
-    r1_penalty,
-    r2_penalty,
-    ref_regularizer,
-)
+from genrl.flow.nft import nft_loss, ref_regularizer
 from genrl.methods.common import (
     Scorer,
-    build_student,
+    advance_iteration,
     check_finite,
     frame_shape_of,
-    gather_batch,
     log_validation_rewards,
     policy_spec,
-    rank_slice,
-    trainer_of,
 )
-from genrl.methods.distill import causal_samples, chunk_noise_levels, paired_instance_noise, student_rollout
+from genrl.methods.distill import (
+    causal_videos,
+    chunk_noise_levels,
+    configure_student,
+    discriminator_advantages,
+    discriminator_loss,
+    student_rollout,
+)
 from genrl.methods.phases import optimizer_steps
 from genrl.models.discriminator import VideoDiscriminator
 from genrl.models.families import GeneratorSpec
@@ -158,14 +145,10 @@ class AFD(LightningModule):
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
-        if self.generator is not None:
+        if (gen := configure_student(self)) is None:
             return
-        gen = build_student(self.generator_spec, self.hparams.lora)
-        gen.causal = self.schedule.causal
-        self.roles.trainable("generator", gen)
-        fd = getattr(gen, "frame_dim", 1)
-        if self.frame_shape is None:
-            self.frame_shape = frame_shape_of(gen)
+        fd = self.frame_dim
+        self.frame_shape = self.frame_shape or frame_shape_of(gen)
         if self.discriminator_spec is not None:
             disc = self.discriminator_spec.build()
         else:
@@ -179,7 +162,6 @@ class AFD(LightningModule):
         self.roles.lagged("old_policy", gen.transformer)
         if self.hparams.ref_weight > 0:
             self.roles.reference_copy(gen)
-        self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
         return self.roles.optimizers(generator=self.student_factory, discriminator=self.disc_factory)
@@ -201,44 +183,18 @@ class AFD(LightningModule):
         with torch.no_grad():
             return self.generator.encode(pixels.to(self.device)).float()
 
-    def scores(self, latents: torch.Tensor, cond, double_backward: bool | None = None,
-               sigma: torch.Tensor | None = None) -> torch.Tensor:
-        return self.discriminator.score(latents, cond, sigma=sigma, frame_dim=self.frame_dim,
-                                        double_backward=double_backward)
-
-    def _disc_noise(self, teacher: torch.Tensor, student: torch.Tensor, it: int, salt: int):
-        """Instance noise of the (teacher, student) pairs (:func:`~genrl.methods.distill.paired_instance_noise`),
-        addressed by (seed, iteration, salt)."""
-        h = self.hparams
-        return paired_instance_noise(teacher, student, h.samples_per_prompt, h.disc_noise_max,
-                                     mix_seed(h.seed, it, salt), self.frame_dim)
-
     def discriminator_loss(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s, salt: int = 0):
-        """BT loss on (teacher, student) pairs (teacher rows repeated K times) + R1 / R2; returns (loss, accuracy)."""
-        k = self.hparams.samples_per_prompt
-        use_r1, use_r2 = self.hparams.r1_weight > 0, self.hparams.r2_weight > 0
-        sig_t, teacher, sig_s, student = self._disc_noise(teacher, student, int(self.iteration), salt)
-        y = teacher.detach().requires_grad_(use_r1)
-        x = student.detach().requires_grad_(use_r2)
-        s_y = self.scores(y, cond_t, double_backward=use_r1 or None, sigma=sig_t)
-        s_x = self.scores(x, cond_s, double_backward=use_r2 or None, sigma=sig_s)
-        s_y_rep = s_y.repeat_interleave(k)
-        loss = bt_loss(s_y_rep, s_x)
-        if use_r1:
-            loss = loss + self.hparams.r1_weight * r1_penalty(s_y, y)
-        if use_r2:
-            loss = loss + self.hparams.r2_weight * r2_penalty(s_x, x)
-        accuracy = (s_y_rep > s_x).float().mean()
-        return loss, accuracy.detach()
+        """BT loss (+ R1 / R2) of the (teacher, K students) pairs with the instance noise of (seed, iteration, salt)
+        (:func:`~genrl.methods.distill.discriminator_loss`); returns (loss, accuracy)."""
+        h = self.hparams
+        return discriminator_loss(self.discriminator, teacher, student, cond_t, cond_s, h.samples_per_prompt,
+                                  h.r1_weight, h.r2_weight, h.disc_noise_max,
+                                  mix_seed(h.seed, int(self.iteration), salt), self.frame_dim)
 
     def advantages(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s):
-        """d = D(student) - D(paired teacher); advantages A centred and normalised over the batch gathered from every
-        rank (this rank's slice), and r (no gradient)."""
-        with torch.no_grad():
-            d = self.scores(student, cond_s) - self.scores(teacher, cond_t).repeat_interleave(
-                self.hparams.samples_per_prompt)
-        adv = rank_slice(self, centered_advantages(gather_batch(self, d), clip=self.hparams.clip_c), len(d))
-        return d, adv.to(d.device), advantage_to_r(adv, self.hparams.clip_c).to(d.device)
+        """(d, A, r) over the gathered batch (:func:`~genrl.methods.distill.discriminator_advantages`)."""
+        return discriminator_advantages(self, self.discriminator, teacher, student, cond_t, cond_s,
+                                        self.hparams.samples_per_prompt, self.hparams.clip_c, self.frame_dim)
 
     def nft_step_loss(self, x0: torch.Tensor, r: torch.Tensor, cond, indices: torch.Tensor, it: int, step: int):
         """DiffusionNFT loss (+ reference term) on the student's own samples ``x0`` with optimality ``r`` [B]."""
@@ -310,16 +266,14 @@ class AFD(LightningModule):
         for key, value in stats_sum.items():
             self.log(f"train/{key}", value, batch_size=bs)
         self.log("train/old_policy_eta", eta, batch_size=bs)
-        self.iteration += 1
-        self.log("train/iteration", float(self.iteration), batch_size=bs)
+        advance_iteration(self, bs)
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def generate(self, prompts: list[str], indices: torch.Tensor | None = None) -> torch.Tensor:
         """Student videos (pixels [B, T, C, H, W] in [0, 1]) with the training schedule."""
-        k = self.schedule.causal.num_chunks(self.hparams.num_frames)
-        return self.generator.decode(causal_samples(self.generator, prompts, indices, self.schedule, k,
-                                                    self.frame_shape, self.hparams.seed))
+        return causal_videos(self.generator, prompts, indices, self.schedule, self.hparams.num_frames,
+                             self.frame_shape, self.hparams.seed)
 
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])
@@ -327,7 +281,8 @@ class AFD(LightningModule):
         log_validation_rewards(self, self.scorer, videos, prompts)
         if "teacher_pixels" in batch:  # held-out teacher clips: how well D still separates them
             cond = self.generator.encode_prompts(prompts)
-            acc = (self.scores(self.teacher_latents(batch["teacher_pixels"]), cond)
-                   > self.scores(self.generator.encode(videos.to(self.device)).float(), cond)).float().mean()
+            score, fd = self.discriminator.score, self.frame_dim
+            acc = (score(self.teacher_latents(batch["teacher_pixels"]), cond, frame_dim=fd)
+                   > score(self.generator.encode(videos.to(self.device)).float(), cond, frame_dim=fd)).float().mean()
             self.log("val/disc_accuracy", acc, batch_size=len(prompts))
         return {"videos": videos, "prompts": prompts}

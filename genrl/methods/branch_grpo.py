@@ -25,14 +25,13 @@ from genrl.flow.policy import clipped_policy_loss
 from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
 from genrl.methods.common import (
     Scorer,
-    build_policy,
+    advance_iteration,
+    configure_policy,
     configure_policy_optimizer,
-    default_latent_shape,
     ode_validation_config,
     policy_spec,
-    trainer_of,
 )
-from genrl.methods.phases import collect_tree, flat_validation, optimizer_steps, score
+from genrl.methods.phases import collect_tree, flat_validation_step, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
@@ -113,12 +112,7 @@ class BranchGRPO(LightningModule):
 
     # ------------------------------------------------------------------ construction (as GRPO)
     def configure_model(self) -> None:
-        if self.generator is not None:
-            return
-        generator = build_policy(self.generator_spec, self.hparams.lora)
-        self.latent_shape = default_latent_shape(generator, self.latent_shape)
-        self.roles.trainable("generator", generator)
-        self.scorer.build(trainer_of(self))
+        configure_policy(self)
 
     configure_optimizers = configure_policy_optimizer
 
@@ -178,11 +172,7 @@ class BranchGRPO(LightningModule):
 
         plan = (step_units(order[s : s + per_step]) for s in range(0, len(order), per_step))
         stats = optimizer_steps(self, self.optimizers(), plan, self.hparams.max_grad_norm)
-        for key, value in stats.items():
-            self.log(f"train/{key}", value, batch_size=bs)
-        self.iteration += 1
-        self.log("train/iteration", float(self.iteration), batch_size=bs)
+        self.log_dict({f"train/{key}": value for key, value in stats.items()}, batch_size=bs)
+        advance_iteration(self, bs)
 
-    # ------------------------------------------------------------------ validation
-    def validation_step(self, batch: dict, batch_idx: int) -> dict:
-        return flat_validation(self, self.scorer, batch, self.eval_config, self.latent_shape, self.hparams.seed)
+    validation_step = flat_validation_step

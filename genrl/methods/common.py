@@ -17,10 +17,10 @@ from genrl.models.lora import LoraSpec
 from genrl.rewards import RewardManager
 from genrl.rollout.sampler import RolloutConfig
 
-__all__ = ["SHAPES_DIT", "Scorer", "build_policy", "build_student", "check_finite", "configure_policy_optimizer",
-           "default_latent_shape", "frame_shape_of", "gather_batch", "log_validation_rewards", "ode_validation_config",
-           "policy_optimizer",
-           "policy_spec", "rank_slice", "trainer_of", "world_of"]
+__all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "build_policy", "build_student", "check_finite",
+           "configure_policy", "configure_policy_optimizer", "default_latent_shape", "frame_shape_of", "gather_batch",
+           "linear_warmup", "log_validation_rewards", "ode_validation_config", "policy_optimizer", "policy_spec",
+           "rank_slice", "trainer_of", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -207,3 +207,40 @@ def log_validation_rewards(method: LightningModule, scorer: Scorer, videos: torc
     method.log("val/total", float(result.total[result.valid].mean()) if result.valid.any() else math.nan,
                prog_bar=True, batch_size=bs)
     return {"videos": videos, "prompts": prompts}
+
+
+def configure_policy(method: LightningModule, reference: bool = False, build=build_policy):
+    """The ``configure_model`` body of a method that trains one policy (GRPO, BranchGRPO, RAM, RWR): build
+    ``method.generator_spec`` with ``method.hparams.lora`` (``build``: :func:`build_policy`), resolve
+    ``method.latent_shape`` (:func:`default_latent_shape`), register the policy as the trainable role ``generator``
+    of ``method.roles``, declare the reference (:meth:`~genrl.models.roles.Roles.reference_copy`) when ``reference``,
+    and build ``method.scorer``'s reward models.
+
+    Returns:
+        the new generator, or None when the method was already configured (Lightning calls the hook again on
+        every ``fit`` / ``validate`` of the same module; the networks are built once).
+    """
+    if method.generator is not None:
+        return None
+    generator = build(method.generator_spec, method.hparams.get("lora"))
+    method.latent_shape = default_latent_shape(generator, method.latent_shape)
+    method.roles.trainable("generator", generator)
+    if reference:
+        method.roles.reference_copy(generator)
+    method.scorer.build(trainer_of(method))
+    return generator
+
+
+def advance_iteration(method: LightningModule, batch_size: int) -> int:
+    """End of a manual-optimization iteration: ``method.iteration`` (a checkpointed int64 buffer, which addresses the
+    iteration's random draws) += 1, logged as ``train/iteration``; returns the new value."""
+    method.iteration += 1
+    method.log("train/iteration", float(method.iteration), batch_size=batch_size)
+    return int(method.iteration)
+
+
+def linear_warmup(optimizer, warmup_steps: int) -> dict:
+    """``configure_optimizers``' return value for ``optimizer`` with a linear learning-rate warm-up: the factor
+    min(1, (step + 1) / max(1, warmup_steps)), stepped per optimizer step (``warmup_steps`` 0: factor 1 throughout)."""
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -15,15 +15,51 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from genrl.flow import add_noise, x0_from_velocity
+from genrl.flow.dmd import sample_dmd_sigma
 from genrl.flow.guidance import cfg_combine
-from genrl.methods.common import trainer_of
+from genrl.flow.nft import advantage_to_r, bt_loss, centered_advantages, r1_penalty, r2_penalty
+from genrl.methods.common import build_student, gather_batch, rank_slice, trainer_of
 from genrl.models.roles import swapped_transformer
 from genrl.models.text_encoder import Conditioning
-from genrl.noise import rand_per_sample
+from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
 from genrl.rollout.autoregressive import ARResult, ChunkSchedule, ar_rollout, sample_exit_step
 
-__all__ = ["ScoreRole", "causal_samples", "chunk_noise_levels", "exit_step_of", "paired_instance_noise", "real_x0",
-           "student_rollout"]
+__all__ = ["CAUSAL_INTERFACE", "ScoreRole", "causal_samples", "causal_videos", "chunk_noise_levels",
+           "configure_student", "discriminator_advantages", "discriminator_loss", "dmd_noised", "exit_step_of",
+           "paired_instance_noise", "real_x0", "student_rollout"]
+
+#: what a causal student generator provides (genrl's DiT, the ``wan_causal`` family): the KV cache, one chunk's
+#: velocity against it, and the context pass that commits a finished chunk.
+CAUSAL_INTERFACE = ("init_cache", "velocity_chunk", "commit")
+
+
+def configure_student(method: LightningModule, build=build_student):
+    """The ``configure_model`` prologue of a causal-student method (ODE init, DMD, AFD): build
+    ``method.generator_spec`` with ``method.hparams.lora`` (``build``: :func:`~genrl.methods.common.build_student`,
+    whose missing-folder error names the ODE-init stage), check the causal interface and that the chunk layout
+    ``method.schedule.causal`` is a multiple of the transformer's temporal patch, make the generator block-causal
+    (``generator.causal``), register it as the trainable role ``generator`` and build ``method.scorer``.
+
+    Returns:
+        the student, or None when the method was already configured.
+    Raises:
+        ValueError: a generator without :data:`CAUSAL_INTERFACE`, or chunk / window / sink sizes off the temporal
+            patch (each names the value and the fix).
+    """
+    if method.generator is not None:
+        return None
+    generator = build(method.generator_spec, method.hparams.get("lora"))
+    missing = [a for a in CAUSAL_INTERFACE if not hasattr(generator, a)]
+    if missing:
+        raise ValueError(f"the {type(generator).__name__} student lacks the causal interface {missing}; use a "
+                         f"causal adapter (genrl's DiT, or a family such as 'wan_causal')")
+    patch = getattr(getattr(generator.transformer, "config", None), "patch_size", None)
+    if isinstance(patch, (list, tuple)) and len(patch) == 3:
+        method.schedule.causal.check_patch(int(patch[0]))
+    generator.causal = method.schedule.causal
+    method.roles.trainable("generator", generator)
+    method.scorer.build(trainer_of(method))
+    return generator
 
 
 class ScoreRole:
@@ -88,6 +124,69 @@ def causal_samples(generator, prompts: list[str], indices, schedule: ChunkSchedu
     cond = generator.encode_prompts(list(prompts))
     idx = None if indices is None else torch.as_tensor(indices).cpu()
     return ar_rollout(generator, cond, num_chunks, frame_shape, schedule, seed=seed, indices=idx).latents
+
+
+@torch.no_grad()
+def causal_videos(generator, prompts: list[str], indices, schedule: ChunkSchedule, num_frames: int,
+                  frame_shape: Sequence[int], seed: int) -> torch.Tensor:
+    """Decoded videos, pixels [B, T, C, H, W] in [0, 1], of ``num_frames`` latent frames (a chunk boundary) sampled
+    causally with ``schedule`` (:func:`causal_samples`; validation and prediction of the student methods)."""
+    num_chunks = schedule.causal.num_chunks(num_frames)
+    return generator.decode(causal_samples(generator, prompts, indices, schedule, num_chunks, frame_shape, seed))
+
+
+def dmd_noised(x: torch.Tensor, indices: torch.Tensor, seed: int, stream: int, shift: float, min_timestep: float,
+               max_timestep: float, frame_dim: int = 1):
+    """The DMD / critic noising of student samples x [B, *latent]: sigma [B] from DMD's shifted, clamped timestep
+    draw (:func:`genrl.flow.dmd.sample_dmd_sigma`), eps ~ N(0, I), x_sigma = (1 - sigma) x + sigma eps (x detached,
+    float32). Sample i's draws depend only on (seed, i, stream), so a batch split into accumulated micro-batches sees
+    the same values. Returns ``(sigma, eps, x_sigma)``."""
+    sigma = torch.cat([sample_dmd_sigma(1, sample_generator(seed, int(i), 0, stream), shift, min_timestep,
+                                        max_timestep) for i in indices]).to(x.device)
+    eps = randn_per_sample(x.shape[1:], seed, indices, step=1, stream=stream, device=x.device)
+    return sigma, eps, add_noise(x.detach().float(), eps, sigma, frame_dim=frame_dim)
+
+
+def discriminator_loss(discriminator: nn.Module, teacher: torch.Tensor, student: torch.Tensor, cond_t: Conditioning,
+                       cond_s: Conditioning, samples_per_prompt: int, r1_weight: float = 0.0, r2_weight: float = 0.0,
+                       noise_max: float = 0.0, seed: int = 0, frame_dim: int = 1):
+    """Bradley-Terry loss of a prompt-paired discriminator (AFD): softplus(-(D(y_b) - D(x_bk))) over teacher clips y
+    [B, *latent] each repeated for its K = ``samples_per_prompt`` student samples x [B K, *latent]
+    (:func:`genrl.flow.nft.bt_loss`), + ``r1_weight`` R1 on the teacher + ``r2_weight`` R2 on the students (gradient
+    penalties, Mescheder et al. 2018), on inputs with the paired instance noise of :func:`paired_instance_noise`
+    (``noise_max`` > 0, drawn from ``seed``). ``discriminator.score(latents, cond, sigma=, frame_dim=,
+    double_backward=)`` -> [N].
+
+    Returns:
+        (0-d loss with graph in the discriminator, detached accuracy: the fraction of pairs with D(y) > D(x)).
+    """
+    use_r1, use_r2 = r1_weight > 0, r2_weight > 0
+    sig_t, teacher, sig_s, student = paired_instance_noise(teacher, student, samples_per_prompt, noise_max, seed,
+                                                           frame_dim)
+    y = teacher.detach().requires_grad_(use_r1)
+    x = student.detach().requires_grad_(use_r2)
+    s_y = discriminator.score(y, cond_t, sigma=sig_t, frame_dim=frame_dim, double_backward=use_r1 or None)
+    s_x = discriminator.score(x, cond_s, sigma=sig_s, frame_dim=frame_dim, double_backward=use_r2 or None)
+    s_y_rep = s_y.repeat_interleave(samples_per_prompt)
+    loss = bt_loss(s_y_rep, s_x)
+    if use_r1:
+        loss = loss + r1_weight * r1_penalty(s_y, y)
+    if use_r2:
+        loss = loss + r2_weight * r2_penalty(s_x, x)
+    return loss, (s_y_rep > s_x).float().mean().detach()
+
+
+@torch.no_grad()
+def discriminator_advantages(module: LightningModule, discriminator: nn.Module, teacher: torch.Tensor,
+                             student: torch.Tensor, cond_t: Conditioning, cond_s: Conditioning, samples_per_prompt: int,
+                             clip_c: float, frame_dim: int = 1):
+    """AFD's advantages: score gaps d = D(x_bk) - D(y_b) [B K], centred, std-normalised and clipped to [-C, C] over
+    the batch gathered from every rank (:func:`genrl.flow.nft.centered_advantages`; this rank's slice), and the
+    optimality probabilities r = 1/2 + A / (2C) (:func:`genrl.flow.nft.advantage_to_r`). Returns ``(d, A, r)``."""
+    d = discriminator.score(student, cond_s, frame_dim=frame_dim) - discriminator.score(
+        teacher, cond_t, frame_dim=frame_dim).repeat_interleave(samples_per_prompt)
+    adv = rank_slice(module, centered_advantages(gather_batch(module, d), clip=clip_c), len(d)).to(d.device)
+    return d, adv, advantage_to_r(adv, clip_c).to(d.device)
 
 
 def paired_instance_noise(teacher: torch.Tensor, student: torch.Tensor, samples_per_prompt: int, max_sigma: float,

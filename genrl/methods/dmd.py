@@ -1,20 +1,16 @@
 """DMD with Self-Forcing rollouts: the distillation baseline for causal, chunk-wise few-step video students.
 
-Three roles (docs/methods/distillation.md, "DMD with Self-Forcing rollouts"): the causal student G (``generator``,
-trained), the real score (the frozen
-bidirectional ``teacher``, CFG in the standard form with a cached negative-prompt embedding) and the fake score
-(the ``critic``, bidirectional, trained with the flow-matching loss on the student's samples). Each generator
-update rolls the student out with the shared autoregressive sampler under the Self-Forcing gradient policy (one
-exit step shared by all chunks, drawn on rank 0 and broadcast; only that forward carries a graph; Huang et al.
-2025, sec. 3.2-3.3), noises the result at a shifted, clamped timestep and follows the DMD gradient
-g = (x0_fake - x0_real) / mean|x - x0_real| (Yin et al. 2024, DMD eq. 7-8; DMD2, Yin et al. 2024b). The critic is
-updated on every optimizer step, the generator on every ``critic_updates_per_generator_update``-th one (DMD2's
-two time-scale rule) — counted in optimizer steps, so the cadence is right under gradient accumulation.
+Three roles (docs/methods/distillation.md): the causal student G (``generator``, trained), the real score (the
+frozen bidirectional ``teacher``, CFG in the standard form with a cached negative-prompt embedding) and the fake
+score (the ``critic``, trained by flow matching on the student's samples). Each generator update rolls the student
+out under the Self-Forcing gradient policy (one exit step for all chunks, drawn on rank 0 and broadcast; Huang et al.
+2025, sec. 3.2-3.3), noises the result at a shifted, clamped timestep and follows g = (x0_fake - x0_real) /
+mean|x - x0_real| (DMD eq. 7-8, Yin et al. 2024; DMD2). The critic is updated on every optimizer step, the generator
+on every ``critic_updates_per_generator_update``-th (DMD2's two time-scale rule, counted in optimizer steps).
 
-Optimization is manual with two optimizers (generator first, critic second). ``trainer.max_steps`` counts
-optimizer steps of *both* networks (Lightning counts every ``optimizer.step``): N iterations take
-N * (1 + 1 / ratio) steps. Everything random is addressed by (seed, iteration, sample index), so a resumed run
-repeats an uninterrupted one.
+Two optimizers (generator first, critic second); ``trainer.max_steps`` counts optimizer steps of both: N iterations
+take N * (1 + 1 / ratio) steps. Randomness is addressed by (seed, iteration, sample index), so a resumed run repeats
+an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -27,25 +23,24 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow import add_noise
-from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sample_dmd_sigma, sid_loss
-from genrl.methods.common import (
-    Scorer,
-    build_student,
-    check_finite,
-    frame_shape_of,
-    log_validation_rewards,
-    policy_spec,
-    trainer_of,
+from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sid_loss
+from genrl.methods.common import Scorer, check_finite, frame_shape_of, log_validation_rewards, policy_spec
+from genrl.methods.distill import (
+    ScoreRole,
+    causal_videos,
+    configure_student,
+    dmd_noised,
+    exit_step_of,
+    real_x0,
+    student_rollout,
 )
-from genrl.methods.distill import ScoreRole, causal_samples, exit_step_of, real_x0, student_rollout
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning
-from genrl.noise import mix_seed, randn_per_sample, sample_generator
+from genrl.noise import mix_seed
 from genrl.rollout.autoregressive import ChunkSchedule
 
 __all__ = ["DMD", "ScoreRole"]  # ScoreRole: re-exported from genrl.methods.distill
@@ -154,16 +149,12 @@ class DMD(LightningModule):
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
-        if self.generator is not None:
+        if (student := configure_student(self)) is None:
             return
-        self.roles.trainable("generator", build_student(self.generator_spec, self.hparams.lora))
-        self.generator.causal = self.schedule.causal
-        if self.frame_shape is None:
-            self.frame_shape = frame_shape_of(self.generator)
+        self.frame_shape = self.frame_shape or frame_shape_of(student)
         teacher = self.roles.frozen("teacher", self.teacher_spec.build())  # never checkpointed: rebuilt on resume
         critic = self.critic_spec.build() if self.critic_spec is not None else copy.deepcopy(teacher)
         self.roles.trainable("critic", critic.requires_grad_(True).train())
-        self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
         return self.roles.optimizers(generator=self.generator_factory, critic=self.critic_factory)
@@ -197,16 +188,9 @@ class DMD(LightningModule):
                                exit_step, h.grad_window_frames)
 
     def _noised(self, x: torch.Tensor, indices: torch.Tensor, it: int, stream: int):
-        """(sigma [B], eps, x_sigma) for DMD / critic noising; sample i's draws depend only on (seed, it, i), so a
-        batch split into accumulated micro-batches sees the same values."""
-        seed = mix_seed(self.hparams.seed, it)
-        sigma = torch.cat([
-            sample_dmd_sigma(1, sample_generator(seed, int(i), 0, stream), self.hparams.timestep_shift,
-                             self.hparams.min_timestep, self.hparams.max_timestep)
-            for i in indices
-        ]).to(x.device)
-        eps = randn_per_sample(x.shape[1:], seed, indices, step=1, stream=stream, device=x.device)
-        return sigma, eps, add_noise(x.detach().float(), eps, sigma)
+        """(sigma [B], eps, x_sigma) of iteration ``it`` (:func:`~genrl.methods.distill.dmd_noised`)."""
+        h = self.hparams
+        return dmd_noised(x, indices, mix_seed(h.seed, it), stream, h.timestep_shift, h.min_timestep, h.max_timestep)
 
     # ------------------------------------------------------------------ losses
     def generator_loss(self, cond: Conditioning, indices: torch.Tensor, it: int) -> dict[str, torch.Tensor]:
@@ -292,10 +276,8 @@ class DMD(LightningModule):
     def generate(self, prompts: list[str], indices: torch.Tensor | None = None, schedule: ChunkSchedule | None = None,
                  num_frames: int | None = None) -> torch.Tensor:
         """Student videos (pixels [B, T, C, H, W] in [0, 1]) with the evaluation sampler."""
-        schedule = schedule or self.eval_schedule
-        n = num_frames or self.hparams.num_frames
-        return self.generator.decode(causal_samples(self.generator, prompts, indices, schedule,
-                                                    schedule.causal.num_chunks(n), self.frame_shape, self.hparams.seed))
+        return causal_videos(self.generator, prompts, indices, schedule or self.eval_schedule,
+                             num_frames or self.hparams.num_frames, self.frame_shape, self.hparams.seed)
 
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])

@@ -26,14 +26,13 @@ from genrl.flow.policy import clipped_policy_loss, gaussian_kl, velocity_kl
 from genrl.flow.sde import step_mean_std
 from genrl.methods.common import (
     Scorer,
-    build_policy,
+    advance_iteration,
+    configure_policy,
     configure_policy_optimizer,
-    default_latent_shape,
     ode_validation_config,
     policy_spec,
-    trainer_of,
 )
-from genrl.methods.phases import collect_flat, flat_validation, group_advantages_of, optimizer_steps, score
+from genrl.methods.phases import collect_flat, flat_validation_step, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
@@ -121,14 +120,7 @@ class GRPO(LightningModule):
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
-        if self.generator is not None:
-            return
-        generator = build_policy(self.generator_spec, self.hparams.lora)
-        self.latent_shape = default_latent_shape(generator, self.latent_shape)
-        self.roles.trainable("generator", generator)
-        if self.hparams.kl_beta > 0:
-            self.roles.reference_copy(generator)
-        self.scorer.build(trainer_of(self))
+        configure_policy(self, reference=self.hparams.kl_beta > 0)
 
     configure_optimizers = configure_policy_optimizer
 
@@ -193,11 +185,7 @@ class GRPO(LightningModule):
             order = torch.arange(n)[torch.randperm(n, generator=g)] if h.inner_epochs > 1 else torch.arange(n)
             plan += [order[s : s + mb] for s in range(0, n, mb)]
         stats = optimizer_steps(self, self.optimizers(), (units(rows) for rows in plan), h.max_grad_norm)
-        for key, value in stats.items():
-            self.log(f"train/{key}", value, batch_size=n)
-        self.iteration += 1
-        self.log("train/iteration", float(self.iteration), batch_size=n)
+        self.log_dict({f"train/{key}": value for key, value in stats.items()}, batch_size=n)
+        advance_iteration(self, n)
 
-    # ------------------------------------------------------------------ validation
-    def validation_step(self, batch: dict, batch_idx: int) -> dict:
-        return flat_validation(self, self.scorer, batch, self.eval_config, self.latent_shape, self.hparams.seed)
+    validation_step = flat_validation_step

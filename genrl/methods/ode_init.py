@@ -31,21 +31,29 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.data.ode_pairs import chunk_states_to_frames, draw_chunk_states, select_states
+from genrl.data.ode_pairs import (
+    check_pair_sigmas,
+    chunk_states_to_frames,
+    draw_chunk_states,
+    regression_inputs,
+    select_states,
+)
 from genrl.flow import ode_regression_loss, x0_from_velocity
 from genrl.methods.common import (
     Scorer,
     build_policy,
     frame_shape_of,
+    linear_warmup,
     log_validation_rewards,
     policy_optimizer,
     policy_spec,
     trainer_of,
 )
-from genrl.methods.distill import causal_samples
+from genrl.methods.distill import causal_samples, configure_student
 from genrl.models.causal import CausalConfig
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
+from genrl.models.roles import Roles
 from genrl.rollout.autoregressive import ChunkSchedule
 
 __all__ = ["ODEInit", "draw_chunk_states", "chunk_states_to_frames", "select_states", "shapes_schedule"]
@@ -116,29 +124,14 @@ class ODEInit(LightningModule):
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.generator = None
         self.scorer = Scorer(rewards, reward_combine)
+        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
-        """Build the student from the teacher's weights and make it block-causal (``generator.causal``).
-
-        Raises:
-            ValueError: chunk sizes that are not multiples of the DiT's temporal patch, or a family generator
-                without the causal interface.
-        """
-        if self.generator is not None:
-            return
-        generator = build_policy(self.generator_spec, self.hparams.lora)
-        missing = [a for a in ("init_cache", "velocity_chunk", "commit") if not hasattr(generator, a)]
-        if missing:
-            raise ValueError(f"the {type(generator).__name__} student lacks the causal interface {missing}; use a "
-                             f"causal adapter (genrl's DiT, or a family such as 'wan_causal')")
-        transformer_config = getattr(generator.transformer, "config", None)
-        patch = getattr(transformer_config, "patch_size", None)
-        if isinstance(patch, (list, tuple)) and len(patch) == 3:
-            self.schedule.causal.check_patch(int(patch[0]))
-        generator.causal = self.schedule.causal
-        self.generator = generator
-        self.scorer.build(trainer_of(self))
+        """Build the student from the teacher's weights and make it block-causal
+        (:func:`~genrl.methods.distill.configure_student`; a missing interface or chunks off the temporal patch raise
+        ValueError)."""
+        configure_student(self, build=build_policy)
 
     def configure_optimizers(self):
         """The optimizer over the trainable student parameters (all, or the LoRA adapter), with the optional
@@ -146,29 +139,13 @@ class ODEInit(LightningModule):
         factory = self.optimizer_factory or (
             lambda params: torch.optim.AdamW(params, lr=2e-6, betas=(0.9, 0.999), weight_decay=0.01))
         opt = policy_optimizer(self.generator, factory)
-        warmup = self.hparams.warmup_steps
-        if warmup == 0:
-            return opt
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return linear_warmup(opt, self.hparams.warmup_steps) if self.hparams.warmup_steps else opt
 
     # ------------------------------------------------------------------ helpers
     @property
     def frame_dim(self) -> int:
         """Frame axis of the generator's latents (1: [B, T, C, H, W]; 2: Wan's [B, C, T, H, W])."""
         return int(getattr(self.generator, "frame_dim", 1))
-
-    def check_sigmas(self, ode_sigmas: torch.Tensor) -> None:
-        """Raise ValueError unless the stored sigmas are the schedule's (``schedule.sigmas()``, within 1e-6)."""
-        want = self.schedule.sigmas()
-        got = ode_sigmas.detach().to("cpu", torch.float64).reshape(-1)
-        if got.shape != want.shape or not torch.allclose(got, want, atol=1e-6, rtol=0):
-            raise ValueError(
-                f"the ODE pairs hold states at sigmas {[round(v, 6) for v in got.tolist()]} but the student's schedule "
-                f"(model.init_args.schedule: timesteps {self.schedule.timesteps}, shift {self.schedule.shift}, warp "
-                f"{self.schedule.warp}) needs {[round(v, 6) for v in want.tolist()]}; regenerate the pairs with the "
-                f"same list (pipelines/ode_pairs.py --student-timesteps ... --student-shift ...) or change the schedule"
-            )
 
     def resolve_latent_shape(self) -> tuple[int, ...]:
         """Latent shape of validation samples: ``latent_shape``, else the datamodule's pairs file, else the
@@ -207,7 +184,7 @@ class ODEInit(LightningModule):
             raise ValueError(f"batch['ode_latents'] must be [B, S + 1, *latent], got {getattr(lat, 'shape', lat)}")
         if sig.ndim == 2:  # a default-collated [B, S + 1]: every row is the file's
             sig = sig[0]
-        self.check_sigmas(sig)
+        check_pair_sigmas(sig, self.schedule)
         prompts = list(batch["prompts"])
         b = lat.shape[0]
         if len(prompts) != b:
@@ -217,15 +194,8 @@ class ODEInit(LightningModule):
             raise ValueError("the batch needs 'index' (or 'position') to address the per-chunk draws")
         step = self.global_step if step is None else int(step)
         fd = self.frame_dim
-        num_frames = lat.shape[1 + fd]
-        causal = self.schedule.causal
-        num_steps = sig.numel() - 1
-        choices = num_steps + 1 if self.hparams.draw_clean_state else num_steps
-        chunk_states = draw_chunk_states(self.hparams.seed, ids.cpu(), step, causal.num_chunks(num_frames), choices)
-        frame_states = chunk_states_to_frames(chunk_states, causal, num_frames)
-        x, sigma = select_states(lat, sig.to(lat.device), frame_states, fd)
-        sigma = sigma.to(torch.float32)
-        target = lat[:, num_steps]
+        x, sigma, target, chunk_states = regression_inputs(lat, sig, self.hparams.seed, ids, step,
+                                                           self.schedule.causal, self.hparams.draw_clean_state, fd)
         cond = self.generator.encode_prompts(prompts)
         v = self.generator.velocity(x, sigma, cond)
         x0 = x0_from_velocity(x, sigma, v, frame_dim=fd)

@@ -31,7 +31,7 @@ from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
 __all__ = ["Rollouts", "Scores", "collect_endpoints", "collect_flat", "collect_tree", "flat_validation",
-           "group_advantages_of", "optimizer_steps", "score"]
+           "flat_validation_step", "group_advantages_of", "optimizer_steps", "reward_spread", "score"]
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,27 @@ def flat_validation(module: LightningModule, scorer: Scorer, batch: dict, config
     prompts = list(batch["prompts"])
     traj = rollout(module.generator, prompts, latent_shape, seed, batch["index"].cpu(), config, record=False)
     return log_validation_rewards(module, scorer, module.generator.decode(traj.final), prompts)
+
+
+def flat_validation_step(module: LightningModule, batch: dict, batch_idx: int) -> dict:
+    """``validation_step`` of a flat-rollout method (assign it in the class body: ``validation_step =
+    flat_validation_step``): :func:`flat_validation` with ``module.scorer``, ``module.eval_config``,
+    ``module.latent_shape`` and ``module.hparams.seed``."""
+    return flat_validation(module, module.scorer, batch, module.eval_config, module.latent_shape, module.hparams.seed)
+
+
+def reward_spread(module: LightningModule, scores: Scores, advantages: torch.Tensor, iteration: int) -> float:
+    """Log ``advantage/std`` (of the gathered advantages [world * B] over the valid samples) and ``reward/batch_std``
+    (of the gathered valid rewards); warn when every valid rollout scored the same (no advantage, no update: a
+    collapsed policy or a saturated reward). Returns the reward std (0.0 with fewer than two valid samples)."""
+    valid, bs = scores.valid, scores.local
+    module.log("advantage/std", float(advantages[valid].std()) if int(valid.sum()) > 1 else 0.0, batch_size=bs)
+    rstd = float(scores.total[valid].std()) if int(valid.sum()) > 1 else 0.0
+    module.log("reward/batch_std", rstd, batch_size=bs)
+    if rstd < 1e-6:
+        logger.warning("iteration %d: every valid rollout scores the same (reward std %.2g): no advantage, no "
+                       "update; a collapsed policy or a saturated reward", iteration, rstd)
+    return rstd
 
 
 #: a loss unit: () -> (loss to back-propagate (already scaled), {stat: weighted value}, stat weight)

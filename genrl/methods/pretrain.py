@@ -20,7 +20,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import TimestepSampler, add_noise, flow_matching_loss
-from genrl.methods.common import Scorer, build_policy, log_validation_rewards, policy_spec, trainer_of
+from genrl.methods.common import Scorer, build_policy, linear_warmup, log_validation_rewards, policy_spec, trainer_of
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
@@ -96,10 +96,7 @@ class FlowMatchingPretrain(LightningModule):
             self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
-        opt = self.optimizer_factory(self.generator.transformer.parameters())
-        warmup = self.hparams.warmup_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / max(1, warmup)))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return linear_warmup(self.optimizer_factory(self.generator.transformer.parameters()), self.hparams.warmup_steps)
 
     # ------------------------------------------------------------------ training
     def _indices(self, batch: dict) -> torch.Tensor:

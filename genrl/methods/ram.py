@@ -1,65 +1,53 @@
 """Forward-process RL: RAM (reinforce adjoint matching), with DiffusionNFT and AWM as options of the same method.
 
-RL that keeps pretraining's regression structure (docs/methods/forward_rl.md, "Algorithm"). Each iteration:
+RL that keeps pretraining's regression structure (docs/methods/forward_rl.md). Each iteration: the lagged policy
+theta_old (an EMA of theta) samples G clean endpoints x0 per prompt with the deterministic ODE (nothing of the
+trajectory is kept); rewards give per-prompt advantages A over the gathered batch (failed rewards: A = 0); each
+endpoint is re-noised K times, t ~ p(t) (RAM: p(t) ∝ t), x_t = (1 - t) x0 + t eps, Y = eps - x0, and the current,
+old and reference velocities (conditional only) enter one regression objective
+(:class:`~genrl.flow.forward_rl.ForwardRLObjective`):
 
-1. **Rollouts, endpoints only.** The lagged policy theta_old (an EMA of theta) samples a group of G clean endpoints
-   x0 per prompt with the shared sampler's deterministic ODE (:func:`genrl.rollout.sampler.rollout`, CFG allowed
-   here only); nothing of the trajectory is kept.
-2. **Rewards and per-prompt advantages** A (reward minus the group mean, over a group or global std), gathered across
-   ranks before normalising; failed (NaN) rewards are left out of the loss and counted.
-3. **K re-noisings per endpoint**: t ~ p(t) (RAM: p(t) ∝ t), eps ~ N(0, I), x_t = (1 - t) x0 + t eps, Y = eps - x0;
-   the current, old and frozen-reference velocities at x_t, all conditional-only (no CFG in the loss).
-4. **One regression objective** (``objective``):
+- ``"ram"``: ||v_theta - sg[v_ref + m A (Y - v_old)]||^2 (Bergmeister et al. 2026, Eq. 17 as released);
+- ``"nft"``: DiffusionNFT's implicit positive / negative policies mixed by r = 1/2 + clip(A)/(2C) (Zheng et al.
+  2025) + kl_beta ||v_theta - v_ref||^2;
+- ``"awm"``: advantage-weighted matching -A w(t, ||v_theta - Y||^2) with a PPO ratio against theta_old (Xue et al.
+  2025) + kl_beta / ema_kl_beta anchors to v_ref / v_old.
 
-   - ``"ram"``: ||v_theta - sg[v_ref + m A (Y - v_old)]||^2 (Bergmeister et al. 2026, Eq. 17 as released; m the
-     reward multiplier; no explicit KL: the anchor is inside the target, equivalent to AWM with beta = 1/m);
-   - ``"nft"``: DiffusionNFT's implicit positive / negative policies mixed by r = 1/2 + clip(A)/(2C)
-     (Zheng et al. 2025) + kl_beta ||v_theta - v_ref||^2;
-   - ``"awm"``: advantage-weighted matching, -A w(t, ||v_theta - Y||^2) with a PPO ratio against theta_old
-     (Xue et al. 2025) + kl_beta ||v_theta - v_ref||^2 + ema_kl_beta ||v_theta - v_old||^2.
-
-   The K x N (draw, endpoint) units are split over ``updates_per_iteration`` optimizer steps (gradient
-   accumulation over micro-batches inside each).
-5. **Old-policy EMA**: theta_old <- d theta_old + (1 - d) theta with d = min(ramp * iteration, max) (RAM: 0.01 / 0.9;
-   DiffusionNFT: 0.001 / 0.5). theta_old is a child module: it is checkpointed, so a resumed run repeats an
-   uninterrupted one.
-
-Monitors logged every iteration (docs/methods/forward_rl.md, "Monitors"; see
-:func:`genrl.flow.forward_rl.velocity_monitors`): ``monitor/v_ref_mse`` and ``monitor/v_old_mse`` (mean squared
-velocity gaps to the reference and to the old policy), ``monitor/v_norm_ratio`` (||v_theta|| / ||v_ref||),
-``monitor/fm_mse_old`` / ``fm_mse_theta`` / ``fm_mse_ref`` (flow-matching errors on the endpoints),
-``monitor/self_consistency`` (``fm_mse_old`` minus its value at the first iteration: the excess estimates
-||u - v_old||^2), ``advantage/std``, ``advantage/zero_std_fraction``, ``reward/total`` and
-``reward/batch_std`` (a collapse warning when every rollout scores the same).
-
-Randomness is addressed (seed, iteration, sample index, draw), so accumulated micro-batches equal one batch and a
-resumed run repeats an uninterrupted one.
+The K x N units are split over ``updates_per_iteration`` optimizer steps; then theta_old <- d theta_old + (1 - d)
+theta, d = min(ramp * iteration, max) (RAM 0.01 / 0.9, DiffusionNFT 0.001 / 0.5). Monitors
+(:func:`~genrl.flow.forward_rl.velocity_monitors`): ``monitor/*`` velocity gaps and flow-matching errors,
+``monitor/self_consistency`` (``fm_mse_old`` minus its first value), ``advantage/std``, ``reward/batch_std``.
+Randomness is addressed by (seed, iteration, sample, draw): micro-batches equal one batch, resume equals an
+uninterrupted run.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow.forward_rl import awm_loss, awm_weight, ram_loss, sample_mse, sample_timesteps, velocity_monitors
-from genrl.flow.nft import advantage_to_r, nft_loss
+from genrl.flow.forward_rl import ForwardRLObjective, sample_timesteps, velocity_monitors
 from genrl.flow.parameterization import add_noise
 from genrl.methods.common import (
     Scorer,
-    build_policy,
+    advance_iteration,
+    configure_policy,
     configure_policy_optimizer,
-    default_latent_shape,
     gather_batch,
     ode_validation_config,
     policy_spec,
-    trainer_of,
 )
-from genrl.methods.phases import collect_endpoints, flat_validation, group_advantages_of, optimizer_steps, score
+from genrl.methods.phases import (
+    collect_endpoints,
+    flat_validation_step,
+    group_advantages_of,
+    optimizer_steps,
+    reward_spread,
+    score,
+)
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles, ramped_decay
@@ -67,8 +55,6 @@ from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["RAM"]
-
-logger = logging.getLogger(__name__)
 
 Objective = Literal["ram", "nft", "awm"]
 _STREAM_EPS, _STREAM_T = 31, 32
@@ -150,11 +136,8 @@ class RAM(LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if objective not in ("ram", "nft", "awm"):
-            raise ValueError(f"objective must be 'ram', 'nft' or 'awm', got {objective!r}")
-        if not (isinstance(multiplier, (int, float)) and math.isfinite(multiplier) and multiplier > 0):
-            raise ValueError(f"multiplier m must be a finite number > 0 (reference: 100 for GenEval / OCR-like "
-                             f"rewards, 1000 for PickScore-like ones), got {multiplier!r}")
+        self.objective = ForwardRLObjective(objective, multiplier, nft_beta, nft_clip, nft_adaptive, awm_weighting,
+                                            awm_p, awm_clip_range, awm_adv_clip, kl_beta, ema_kl_beta)
         if not isinstance(num_draws, int) or num_draws < 1:
             raise ValueError(f"num_draws K must be an int >= 1 (re-noisings per endpoint; reference 8), got "
                              f"{num_draws!r}")
@@ -166,8 +149,6 @@ class RAM(LightningModule):
         if not (0 <= old_decay_max < 1 and old_decay_ramp >= 0):
             raise ValueError(f"need 0 <= old_decay_max < 1 and old_decay_ramp >= 0, got {old_decay_max}, "
                              f"{old_decay_ramp}")
-        if kl_beta < 0 or ema_kl_beta < 0:
-            raise ValueError(f"kl_beta and ema_kl_beta must be >= 0, got {kl_beta}, {ema_kl_beta}")
         if not 0 <= t_min < t_max <= 1:
             raise ValueError(f"need 0 <= t_min < t_max <= 1, got {t_min}, {t_max}")
         self.save_hyperparameters(ignore=["optimizer"])
@@ -187,19 +168,10 @@ class RAM(LightningModule):
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
-        if self.generator is not None:
-            return
-        gen = build_policy(self.generator_spec, self.hparams.lora)
-        self.latent_shape = default_latent_shape(gen, self.latent_shape)
-        self.roles.trainable("generator", gen)
-        if self._needs_reference():
-            self.roles.reference_copy(gen)  # the initial weights (none stored under LoRA: adapter disabled)
-        # theta_old: the lagged EMA that rolls out and supplies v_old (the trainable tensors only; checkpointed)
-        self.roles.lagged("old_policy", gen.transformer)
-        self.scorer.build(trainer_of(self))
-
-    def _needs_reference(self) -> bool:
-        return self.hparams.objective == "ram" or self.hparams.kl_beta > 0
+        # the reference: the initial weights (none stored under LoRA: adapter disabled); theta_old: the lagged EMA
+        # that rolls out and supplies v_old (the trainable tensors only; checkpointed)
+        if (gen := configure_policy(self, reference=self.objective.needs_reference)) is not None:
+            self.roles.lagged("old_policy", gen.transformer)
 
     configure_optimizers = configure_policy_optimizer
 
@@ -241,24 +213,8 @@ class RAM(LightningModule):
         u = eps - x0
         v = self._velocity(x_t, t, cond, "theta")
         v_old = self._velocity(x_t, t, cond, "old")
-        v_ref = self._velocity(x_t, t, cond, "ref") if self._needs_reference() else None
-        adv = adv.to(v.device)
-        if h.objective == "ram":
-            loss = ram_loss(v, v_ref, v_old, u, adv, h.multiplier, frame_dim=fd)
-            stats: dict[str, torch.Tensor] = {}
-        elif h.objective == "nft":
-            r = advantage_to_r(adv, h.nft_clip)
-            loss = nft_loss(v, v_old, x_t, x0, t, r, beta=h.nft_beta, clip_c=h.nft_clip, adaptive=h.nft_adaptive,
-                            frame_dim=fd)
-            stats = {}
-            if h.kl_beta > 0:
-                loss = loss + h.kl_beta * sample_mse(v, v_ref, frame_dim=fd).mean()
-        else:
-            log_p_old = -awm_weight(sample_mse(v_old, u, frame_dim=fd), t, h.awm_weighting, p=h.awm_p)
-            loss, stats = awm_loss(v, u, t, adv, weighting=h.awm_weighting, log_p_old=log_p_old,
-                                   clip_range=h.awm_clip_range, adv_clip=h.awm_adv_clip, v_ref=v_ref,
-                                   beta=h.kl_beta, v_ema=v_old if h.ema_kl_beta > 0 else None,
-                                   beta_ema=h.ema_kl_beta, frame_dim=fd, p=h.awm_p)
+        v_ref = self._velocity(x_t, t, cond, "ref") if self.objective.needs_reference else None
+        loss, stats = self.objective.loss(v, v_old, v_ref, u, x_t, x0, t, adv.to(v.device), frame_dim=fd)
         mon = velocity_monitors(v.detach(), v_old, v_ref if v_ref is not None else v_old, u, frame_dim=fd)
         if v_ref is None:  # no reference forward for this objective: its monitors are not measured
             mon = {k: val for k, val in mon.items() if k not in ("v_ref_mse", "v_norm_ratio", "fm_mse_ref")}
@@ -271,16 +227,6 @@ class RAM(LightningModule):
                                                                    self.hparams.old_decay_max))
 
     # ------------------------------------------------------------------ training
-    def advantage_monitors(self, scores, adv_all: torch.Tensor, it: int) -> None:
-        """``advantage/std`` and ``reward/batch_std`` of the gathered batch; a warning when the rewards collapsed."""
-        valid, bs = scores.valid, scores.local
-        self.log("advantage/std", float(adv_all[valid].std()) if int(valid.sum()) > 1 else 0.0, batch_size=bs)
-        rstd = float(scores.total[valid].std()) if int(valid.sum()) > 1 else 0.0
-        self.log("reward/batch_std", rstd, batch_size=bs)
-        if rstd < 1e-6:
-            logger.warning("iteration %d: every valid rollout scores the same (reward std %.2g): no advantage, no "
-                           "update; a collapsed policy or a saturated reward", it, rstd)
-
     def training_step(self, batch: dict, batch_idx: int) -> None:
         h, gen = self.hparams, self.generator
         prompts, index, group = list(batch["prompts"]), batch["index"].cpu(), batch["group"].cpu()
@@ -290,7 +236,7 @@ class RAM(LightningModule):
         scores = score(self, self.scorer, ro, group, iteration=it)
         adv = group_advantages_of(self, scores, std=h.advantage_std, eps=h.advantage_eps, min_group_size=2,
                                   iteration=it)
-        self.advantage_monitors(scores, gather_batch(self, adv), it)
+        reward_spread(self, scores, gather_batch(self, adv), it)
         # failed rewards: advantage 0 (a row at its group's baseline), never dropped, so every rank runs the same
         # backward passes and optimizer steps whatever its validity mask
         self.log("train/zero_advantage_invalid", float((~scores.result.valid).sum()), batch_size=n)
@@ -309,19 +255,13 @@ class RAM(LightningModule):
         plan = [[lambda k=k, c=c: unit(k, c) for k in range(u * per_update, (u + 1) * per_update) for c in chunks]
                 for u in range(h.updates_per_iteration)]
         sums = optimizer_steps(self, self.optimizers(), plan, h.max_grad_norm)
-        bs = n
-        for key, value in sums.items():
-            self.log(key, value, batch_size=bs)
+        self.log_dict(sums, batch_size=n)
         if "monitor/fm_mse_old" in sums:  # self-consistency: v_old's FM error on its own endpoints vs at the start
             fm_old = sums["monitor/fm_mse_old"]
             if torch.isnan(self.initial_self_consistency):
                 self.initial_self_consistency.fill_(fm_old)
-            self.log("monitor/self_consistency", fm_old - float(self.initial_self_consistency), batch_size=bs)
-        d = self.update_old_policy()
-        self.log("train/old_decay", d, batch_size=bs)
-        self.iteration += 1
-        self.log("train/iteration", float(self.iteration), batch_size=bs)
+            self.log("monitor/self_consistency", fm_old - float(self.initial_self_consistency), batch_size=n)
+        self.log("train/old_decay", self.update_old_policy(), batch_size=n)
+        advance_iteration(self, n)
 
-    # ------------------------------------------------------------------ validation
-    def validation_step(self, batch: dict, batch_idx: int) -> dict:
-        return flat_validation(self, self.scorer, batch, self.eval_config, self.latent_shape, self.hparams.seed)
+    validation_step = flat_validation_step

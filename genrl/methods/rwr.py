@@ -19,12 +19,11 @@ from genrl.flow import add_noise
 from genrl.flow.forward_rl import advantage_weighted_fm_loss, sample_timesteps
 from genrl.methods.common import (
     Scorer,
-    build_policy,
+    advance_iteration,
+    configure_policy,
     configure_policy_optimizer,
-    default_latent_shape,
     log_validation_rewards,
     policy_spec,
-    trainer_of,
 )
 from genrl.methods.phases import collect_endpoints, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
@@ -64,12 +63,7 @@ class RewardWeightedRegression(LightningModule):
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
 
     def configure_model(self) -> None:
-        if self.generator is None:
-            h = self.hparams
-            gen = build_policy(self.generator_spec, h.lora)
-            self.latent_shape = default_latent_shape(gen, self.latent_shape)
-            self.roles.trainable("generator", gen)
-            self.scorer.build(trainer_of(self))
+        configure_policy(self)
 
     configure_optimizers = configure_policy_optimizer
 
@@ -94,7 +88,7 @@ class RewardWeightedRegression(LightningModule):
         stats = optimizer_steps(self, self.optimizers(), [[unit]], h.max_grad_norm)
         self.log("train/loss", stats["loss"], batch_size=len(prompts))
         self.log("train/weight_max", float(w.max()), batch_size=len(prompts))
-        self.iteration += 1
+        advance_iteration(self, len(prompts))
 
     def validation_step(self, batch: dict, batch_idx: int) -> dict:
         prompts = list(batch["prompts"])

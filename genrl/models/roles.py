@@ -13,7 +13,13 @@ frozen        no          no            a teacher (real score), the reference po
 lagged        no (EMA)    yes           the old policy theta_old of RAM / DiffusionNFT / AFD: a lagged copy
                                         of the policy's *trainable* tensors only (the LoRA adapter under
                                         LoRA, never a second full transformer)
+rollout       no (sync)   no            a low-precision copy of the policy that rolls out (Sol-RL's FP8 /
+                                        NVFP4 candidates): cast or quantized from the live weights by
+                                        :meth:`Roles.sync` after each update (and so after a resume)
 ============  ==========  ============  ===============================================================
+
+A planner (TempAct's LLM that writes the per-segment prompts) is a ``frozen`` role when it is a local network (a
+``transformers`` causal LM, sharded with the rest), or no role at all when it is a remote service.
 
 Frozen networks live in one :class:`FrozenRoles` container (``method.frozen``): a ``ModuleDict`` that stays in eval
 mode whatever ``train()`` is called with and that adds nothing to a state dict (and expects nothing back), so a
@@ -35,10 +41,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["FrozenRoles", "LaggedCopy", "Role", "RoleKind", "Roles", "has_lora", "ramped_decay",
+__all__ = ["FrozenRoles", "LaggedCopy", "Role", "RoleKind", "Roles", "RolloutCopy", "has_lora", "ramped_decay",
            "swapped_transformer"]
 
-RoleKind = Literal["trainable", "frozen", "lagged"]
+RoleKind = Literal["trainable", "frozen", "lagged", "rollout"]
 
 
 def has_lora(module: nn.Module) -> bool:
@@ -172,6 +178,53 @@ class LaggedCopy(nn.Module):
             s.lerp_(p.detach().to(s.dtype), 1.0 - decay)
 
 
+class RolloutCopy(nn.Module):
+    """A copy of the policy's transformer in another precision, used only to roll out (Sol-RL's low-precision
+    candidate rollouts; the policy itself is trained and regenerates in its own precision).
+
+    The copy is held by :class:`FrozenRoles` (no gradients, eval mode, never checkpointed): it is a function of the
+    live weights, refreshed by :meth:`sync` after every optimizer update and so identical after a resume.
+
+    Args:
+        module: the live transformer (LoRA adapter included: the copy carries it and runs it in ``dtype``).
+        dtype: floating dtype of the copy's floating tensors (e.g. ``torch.bfloat16``); None keeps the live dtype.
+        quantize: optional ``module -> module`` applied after the cast (e.g. a torchao weight-only FP8 /
+            NVFP4 quantization); with it :meth:`sync` rebuilds the copy from the live weights instead of copying in
+            place.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype | None = None, quantize=None) -> None:
+        super().__init__()
+        self.dtype, self.quantize = dtype, quantize
+        self.module = self._build(module)
+
+    def _build(self, live: nn.Module) -> nn.Module:
+        module = copy.deepcopy(live).requires_grad_(False).eval()
+        if self.dtype is not None:
+            module = module.to(self.dtype)
+        return self.quantize(module) if self.quantize is not None else module
+
+    @torch.no_grad()
+    def sync(self, live: nn.Module) -> None:
+        """Refresh the copy from the live transformer: each parameter and buffer copied (cast to the copy's dtype) in
+        place, or, with ``quantize``, the copy rebuilt and re-quantized.
+
+        Raises:
+            KeyError: the live module lacks a tensor of the copy (the copy belongs to another module).
+        """
+        if self.quantize is not None:
+            self.module = self._build(live).to(next(self.module.parameters()).device)
+            return
+        src = {**dict(live.named_parameters()), **dict(live.named_buffers())}
+        for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            if name not in src:
+                raise KeyError(f"the live module has no tensor {name!r}: the rollout copy belongs to another module")
+            t.copy_(src[name].detach())
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 def ramped_decay(iteration: int, ramp: float, maximum: float) -> float:
     """The old-policy EMA decay of DiffusionNFT / RAM: d = min(ramp * iteration, maximum) (0 at the start: theta_old
     follows theta exactly, then lags more and more, up to ``maximum``)."""
@@ -187,7 +240,7 @@ class Role:
 
     @property
     def checkpointed(self) -> bool:
-        return self.kind != "frozen"
+        return self.kind not in ("frozen", "rollout")
 
 
 class Roles:
@@ -233,6 +286,19 @@ class Roles:
         setattr(self.owner, name, copy_)
         return copy_
 
+    def rollout_copy(self, name: str, generator: nn.Module, dtype: torch.dtype | None = None,
+                     quantize=None) -> RolloutCopy:
+        """Register a :class:`RolloutCopy` of ``generator.transformer`` as ``owner.frozen[name]`` (not trained, not
+        checkpointed); evaluate with it through :meth:`swap`, refresh it with :meth:`sync`."""
+        self._declare(name, "rollout")
+        copy_ = RolloutCopy(generator.transformer, dtype, quantize)
+        self.owner.frozen[name] = copy_
+        return copy_
+
+    def sync(self, name: str) -> None:
+        """Refresh the rollout copy ``name`` from the live policy (``owner.generator.transformer``)."""
+        self.get(name).sync(self.owner.generator.transformer)
+
     def reference_copy(self, generator: nn.Module) -> None:
         """Declare the reference policy: nothing to store when ``generator.transformer`` has a LoRA adapter (the
         reference is the adapter-disabled model), else a frozen copy of its current (initial) weights."""
@@ -243,7 +309,7 @@ class Roles:
         """The network of role ``name``. Raises KeyError naming the declared roles."""
         if name not in self.table:
             raise KeyError(f"no role {name!r}; declared: {sorted(self.table)}")
-        return self.owner.frozen[name] if self.table[name].kind == "frozen" else getattr(self.owner, name)
+        return self.owner.frozen[name] if self.table[name].kind in ("frozen", "rollout") else getattr(self.owner, name)
 
     @contextmanager
     def reference(self, generator: nn.Module) -> Iterator[nn.Module]:
@@ -265,9 +331,11 @@ class Roles:
 
     @contextmanager
     def swap(self, generator: nn.Module, name: str) -> Iterator[nn.Module]:
-        """Evaluate ``generator`` with the network of role ``name``: a frozen / trainable transformer is swapped in,
-        a lagged copy's tensors are swapped into the live transformer."""
+        """Evaluate ``generator`` with the network of role ``name``: a frozen / trainable transformer or a rollout
+        copy is swapped in, a lagged copy's tensors are swapped into the live transformer."""
         role = self.get(name)
+        if isinstance(role, RolloutCopy):
+            role = role.module
         if isinstance(role, LaggedCopy):
             with role.applied(generator.transformer):
                 yield generator
@@ -307,5 +375,5 @@ class Roles:
             module = self.get(name)
             if role.kind == "lagged":
                 continue
-            out[name] = getattr(module, "transformer", module)
+            out[name] = module.module if isinstance(module, RolloutCopy) else getattr(module, "transformer", module)
         return out
