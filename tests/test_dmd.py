@@ -116,17 +116,22 @@ def test_accumulated_micro_batches_equal_one_batch(tiny_causal):
     assert any(a.abs().sum() > 0 for a in one)
 
 
-def test_cadence_counts_optimizer_steps_and_resume_equals_uninterrupted(tmp_path, monkeypatch, tiny_causal):
+def test_max_steps_counts_iterations_and_resume_equals_uninterrupted(tmp_path, monkeypatch, tiny_causal):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     (tmp_path / "c").mkdir()
     monkeypatch.chdir(tmp_path / "a")
-    full = _cli([*tiny_causal, "--trainer.max_steps=6"])
-    # ratio 2: iterations 0 and 2 step both networks, 1 and 3 only the critic: 6 optimizer steps = 4 iterations
-    assert int(full.model.iteration) == 4 and full.trainer.global_step == 6
+    full = _cli([*tiny_causal, "--trainer.max_steps=4", "--trainer.enable_progress_bar=true"])
+    # ratio 2: iterations 0 and 2 step both networks, 1 and 3 only the critic; max_steps 4 = 4 iterations (6
+    # optimizer steps), checkpoints every 2 iterations, the progress bar ends at 4 of 4
+    assert int(full.model.iteration) == 4 and full.trainer.global_step == 4
     opt_g, opt_c = full.model.optimizers()
     assert opt_g.optimizer.state[next(iter(opt_g.optimizer.state))]["step"] == 2
     assert opt_c.optimizer.state[next(iter(opt_c.optimizer.state))]["step"] == 4
+    assert sorted(p.name for p in Path("runs/dmd_shapes/checkpoints").glob("epoch=*")) == [
+        "epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    bar = full.trainer.progress_bar_callback.train_progress_bar  # rich's task of the training bar
+    assert (bar.completed, bar.total) == (4, 4)
     metrics = full.trainer.logged_metrics
     assert "val/total" in metrics and "train/critic_loss" in metrics and "train/dmd_grad_rms" in metrics
     # the checkpoint loads as a causal student that generate.py samples chunk by chunk
@@ -149,8 +154,8 @@ def test_cadence_counts_optimizer_steps_and_resume_equals_uninterrupted(tmp_path
     assert exported.load_info["ema"] is True  # the tiny config has the EMA callback: the export holds its weights
 
     monkeypatch.chdir(tmp_path / "b")
-    _cli([*tiny_causal, "--trainer.max_steps=3"])
-    resumed = _cli([*tiny_causal, "--trainer.max_steps=6", "--ckpt_path=last"])
+    _cli([*tiny_causal, "--trainer.max_steps=2"])
+    resumed = _cli([*tiny_causal, "--trainer.max_steps=4", "--ckpt_path=last"])
     assert int(resumed.model.iteration) == 4
     sd_full, sd_res = full.model.state_dict(), resumed.model.state_dict()
     for k in sd_full:  # tensors, and the reward manager's state (the scorer's extra state)
@@ -161,12 +166,12 @@ def test_cadence_counts_optimizer_steps_and_resume_equals_uninterrupted(tmp_path
 
     # gradient accumulation over 2 micro-batches: the same 4 iterations and 2 + 4 optimizer steps
     monkeypatch.chdir(tmp_path / "c")
-    acc = _cli([*tiny_causal, "--trainer.max_steps=6", "--model.init_args.accumulate_grad_batches=2",
+    acc = _cli([*tiny_causal, "--trainer.max_steps=4", "--model.init_args.accumulate_grad_batches=2",
                 "--trainer.val_check_interval=8"])
     assert int(acc.model.iteration) == 4 and int(acc.model.micro_step) == 8
 
     # the student and the critic both changed; the teacher is a registered child but not checkpointed
-    base = torch.load(next(Path(tmp_path / "a").rglob("epoch=*step=3.ckpt")), weights_only=False)["state_dict"]
+    base = torch.load(next(Path(tmp_path / "a").rglob("epoch=*step=2.ckpt")), weights_only=False)["state_dict"]
     assert not any(k.startswith("frozen.") for k in base)
     assert any(n.startswith("frozen.teacher.") for n, _ in full.model.named_parameters())
     changed = {k.split(".")[0] for k in sd_full

@@ -11,9 +11,10 @@ forward-noised samples (a sigma per chunk, teacher-forced velocities) plus a reg
 theta_old follows theta softly, theta_old <- eta theta_old + (1 - eta) theta, eta = min(ramp * step, eta_max). At
 theta = theta_old the update is clip(A) grad ||v - u||^2, an advantage-signed flow-matching step.
 
-Two optimizers (student, discriminator); ``trainer.max_steps`` counts optimizer steps of both
-(``discriminator_steps + 1`` per iteration). Randomness is addressed by (seed, iteration, sample index), so a resumed
-run repeats an uninterrupted one.
+Two optimizers (student, discriminator). ``trainer.max_steps``, ``every_n_train_steps``, ``val_check_interval`` and
+the progress bar count iterations, one per training batch (the discriminator's steps are not counted:
+:func:`~genrl.methods.common.step_uncounted`). Randomness is addressed by (seed, iteration, sample index), so a
+resumed run repeats an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ class AFD(LightningModule):
             return loss_d, {}, 1
 
         optimizer_steps(self, opt_d, [[lambda s=s: disc_unit(s)] for s in range(h.discriminator_steps)],
-                        h.max_grad_norm, check_finite=lambda loss: check_finite(loss, "discriminator", it))
+                        h.max_grad_norm, lambda loss: check_finite(loss, "discriminator", it), counted=False)
         self.log("train/disc_loss", last["loss"], batch_size=bs)
         self.log("train/disc_accuracy", last["acc"], prog_bar=True, batch_size=bs)
 

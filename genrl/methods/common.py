@@ -20,7 +20,7 @@ from genrl.rollout.sampler import RolloutConfig
 __all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "build_policy", "build_student", "check_finite",
            "configure_policy", "configure_policy_optimizer", "default_latent_shape", "frame_shape_of", "gather_batch",
            "linear_warmup", "log_validation_rewards", "ode_validation_config", "policy_optimizer", "policy_spec",
-           "rank_slice", "trainer_of", "world_of"]
+           "rank_slice", "step_uncounted", "trainer_of", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -244,3 +244,20 @@ def linear_warmup(optimizer, warmup_steps: int) -> dict:
     min(1, (step + 1) / max(1, warmup_steps)), stepped per optimizer step (``warmup_steps`` 0: factor 1 throughout)."""
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def step_uncounted(method: LightningModule, optimizer) -> None:
+    """Step ``optimizer`` (a Lightning optimizer of ``method``) through the trainer's strategy, its precision plugin
+    and the ``on_before_optimizer_step`` hooks, like ``optimizer.step()``, but without advancing
+    ``trainer.global_step``.
+
+    Multi-optimizer methods step their secondary networks this way (DMD's generator, AFD's discriminator), so that
+    ``trainer.max_steps``, ``every_n_train_steps``, ``val_check_interval`` and the progress bar all count iterations
+    (one per training batch), whatever the number of networks updated in it. Without a trainer (a module used on its
+    own) it is ``optimizer.step()``.
+    """
+    trainer = trainer_of(method)
+    if trainer is None or not hasattr(optimizer, "optimizer"):
+        optimizer.step()
+        return
+    trainer.strategy.optimizer_step(optimizer.optimizer, lambda: None)

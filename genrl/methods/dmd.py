@@ -8,9 +8,11 @@ out under the Self-Forcing gradient policy (one exit step for all chunks, drawn 
 mean|x - x0_real| (DMD eq. 7-8, Yin et al. 2024; DMD2). The critic is updated on every optimizer step, the generator
 on every ``critic_updates_per_generator_update``-th (DMD2's two time-scale rule, counted in optimizer steps).
 
-Two optimizers (generator first, critic second); ``trainer.max_steps`` counts optimizer steps of both: N iterations
-take N * (1 + 1 / ratio) steps. Randomness is addressed by (seed, iteration, sample index), so a resumed run repeats
-an uninterrupted one.
+Two optimizers (generator first, critic second). ``trainer.max_steps`` and ``every_n_train_steps`` count
+iterations, the critic's optimizer steps (the generator's steps are not counted:
+:func:`~genrl.methods.common.step_uncounted`); without gradient accumulation that is one per training batch, as the
+progress bar and ``val_check_interval`` count. Randomness is addressed by (seed, iteration, sample index), so a
+resumed run repeats an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sid_loss
-from genrl.methods.common import Scorer, check_finite, frame_shape_of, log_validation_rewards, policy_spec
+from genrl.methods.common import (
+    Scorer,
+    check_finite,
+    frame_shape_of,
+    log_validation_rewards,
+    policy_spec,
+    step_uncounted,
+)
 from genrl.methods.distill import (
     ScoreRole,
     causal_videos,
@@ -260,7 +269,7 @@ class DMD(LightningModule):
             if gen_turn:
                 if clip > 0:
                     self.clip_gradients(opt_g, gradient_clip_val=clip, gradient_clip_algorithm="norm")
-                opt_g.step()
+                step_uncounted(self, opt_g)  # the critic's step counts the iteration
             if clip > 0:
                 self.clip_gradients(opt_c, gradient_clip_val=clip, gradient_clip_algorithm="norm")
             opt_c.step()

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from genrl.flow.policy import group_advantages, group_stats
-from genrl.methods.common import Scorer, gather_batch, log_validation_rewards, rank_slice
+from genrl.methods.common import Scorer, gather_batch, log_validation_rewards, rank_slice, step_uncounted
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
@@ -212,10 +212,13 @@ Unit = Callable[[], tuple[torch.Tensor, dict[str, float], float]]
 
 
 def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable[Unit]], max_grad_norm: float = 0.0,
-                    check_finite: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
+                    check_finite: Callable[[torch.Tensor], None] | None = None,
+                    counted: bool = True) -> dict[str, float]:
     """The update phase: for each optimizer step, zero the gradients, back-propagate every unit's loss (one backward
     pass each; gradients accumulate), clip the gradient norm (``max_grad_norm`` > 0) and step. ``steps`` may be a
     generator: each step's units are then built (e.g. its mini-batch conditioning encoded) just before it runs.
+    ``counted=False`` steps a secondary network without advancing ``trainer.global_step``
+    (:func:`~genrl.methods.common.step_uncounted`), so a multi-optimizer method counts iterations.
 
     Returns:
         ``{stat: sum of the units' weighted values / sum of their weights}`` over all steps.
@@ -234,5 +237,8 @@ def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable
             weight += w
         if max_grad_norm > 0:
             module.clip_gradients(optimizer, gradient_clip_val=max_grad_norm, gradient_clip_algorithm="norm")
-        optimizer.step()
+        if counted:
+            optimizer.step()
+        else:
+            step_uncounted(module, optimizer)
     return {key: value / max(weight, 1) for key, value in sums.items()}
