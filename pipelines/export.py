@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
                 gen.save_pretrained(tmp)
         ema = bool(gen.load_info["ema"])
         info = dict(source=str(args.model), mode=mode, kind=kind, lora=lora, lora_merged=lora and mode == "full",
-                    ema=ema, dtype=args.dtype)
+                    ema=ema, dtype=args.dtype, sampling=gen.load_info.get("sampling"))
         (tmp / "genrl_export.json").write_text(json.dumps(info, indent=2) + "\n")
         tmp.chmod(0o755)
         if out.exists():  # --overwrite: swap, then drop the old folder

@@ -61,6 +61,12 @@ def test_resume_equals_uninterrupted_and_params_change(tmp_path, monkeypatch, ti
     full = _fit([enc, "--trainer.max_steps=4"])
     assert int(full.model.iteration) == 4 and full.trainer.global_step == 4
     after_full = _trainable(full)
+    # the export records the validation sampler, which generate.py / shapes_eval.py then use by default
+    from genrl.models.loading import load_generator
+
+    cfg = full.model.eval_config
+    sampling = load_generator("runs/quickstart/export", text_encoder=tiny_text_encoder).load_info["sampling"]
+    assert sampling == {"steps": 2, "cfg_scale": cfg.cfg_scale, "shift": cfg.shift}
     monkeypatch.chdir(tmp_path / "b")
     first = _fit([enc, "--trainer.max_steps=2"])
     after_two = _trainable(first)

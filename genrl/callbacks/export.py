@@ -12,7 +12,24 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from genrl.callbacks.ema import find_ema
 from genrl.models.loading import CAUSAL_SCHEDULE_FILE, EXPORT_INFO_FILE  # the export layout load_generator reads
 
-__all__ = ["DiffusersExport"]
+__all__ = ["DiffusersExport", "sampling_of"]
+
+
+def sampling_of(pl_module: LightningModule) -> dict | None:
+    """The sampler a method validates with, as ``{"steps", "cfg_scale", "shift"}``: the method's ``eval_config`` (or
+    its ODE ``rollout_config``), or a pretraining run's ``sample_steps`` / ``cfg_scale`` / ``sample_shift``; None for
+    a causal student (its chunk schedule is recorded instead) or a method without one. Exports record it so that
+    ``pipelines/generate.py`` and ``evaluation/shapes_eval.py`` sample a trained model, by default, the way it was
+    trained and validated (flags override)."""
+    if getattr(getattr(pl_module, "schedule", None), "causal", None) is not None:
+        return None
+    cfg = getattr(pl_module, "eval_config", None) or getattr(pl_module, "rollout_config", None)
+    if cfg is not None and hasattr(cfg, "num_steps"):
+        return {"steps": int(cfg.num_steps), "cfg_scale": float(cfg.cfg_scale), "shift": float(cfg.shift)}
+    h = getattr(pl_module, "hparams", {})
+    if "sample_steps" in h:
+        return {"steps": int(h["sample_steps"]), "cfg_scale": float(h["cfg_scale"]), "shift": float(h["sample_shift"])}
+    return None
 
 
 class DiffusersExport(Callback):
@@ -21,7 +38,9 @@ class DiffusersExport(Callback):
     When the trainer has an :class:`~genrl.callbacks.EMA` callback, the EMA weights are exported (the
     module's raw weights are left as they are).
     The folder (``config.json`` + ``diffusion_pytorch_model.safetensors``) reloads offline with
-    ``VideoDiT.from_pretrained(dirpath)`` or a ``ModelSpec(pretrained=dirpath)``.
+    ``VideoDiT.from_pretrained(dirpath)`` or a ``ModelSpec(pretrained=dirpath)``; ``genrl_export.json`` records
+    whether the weights are the EMA's, the step, and the validation sampler (:func:`sampling_of`), which
+    :func:`genrl.models.loading.load_generator` exposes as ``generator.load_info["sampling"]``.
 
     Args:
         dirpath: output folder (created; existing files are overwritten).
@@ -38,7 +57,7 @@ class DiffusersExport(Callback):
         ema = find_ema(trainer)
         with ema.swapped(pl_module) if ema is not None else nullcontext():
             pl_module.generator.transformer.save_pretrained(self.dirpath, safe_serialization=self.safe_serialization)
-        info = {"ema": ema is not None, "global_step": int(trainer.global_step)}
+        info = {"ema": ema is not None, "global_step": int(trainer.global_step), "sampling": sampling_of(pl_module)}
         Path(self.dirpath, EXPORT_INFO_FILE).write_text(json.dumps(info))
         schedule = getattr(pl_module, "schedule", None)
         if schedule is not None and hasattr(schedule, "causal"):  # a causal student: how it generates

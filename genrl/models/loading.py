@@ -328,7 +328,8 @@ def load_generator(
         if name == "VideoDiT":
             gen = DiTGenerator.from_pretrained(str(path), text_encoder=text_encoder or "minilm").eval()
             info = json.loads((path / EXPORT_INFO_FILE).read_text()) if (path / EXPORT_INFO_FILE).is_file() else {}
-            gen.load_info = dict(path=str(path), kind="dit_folder", ema=bool(info.get("ema", False)), lora=False)
+            gen.load_info = dict(path=str(path), kind="dit_folder", ema=bool(info.get("ema", False)), lora=False,
+                                 sampling=info.get("sampling"))
 
             if (path / CAUSAL_SCHEDULE_FILE).is_file():  # an exported causal student (ODE init / DMD / AFD)
                 _attach_schedule(gen, {"schedule": json.loads((path / CAUSAL_SCHEDULE_FILE).read_text())})
