@@ -103,8 +103,16 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     from genrl.eval.dimensions import DIMENSIONS
 
+    for flag in ("fvd_real", "fid_real", "i3d", "inception", "clip_fid"):
+        value = getattr(args, flag, None)
+        if value and not Path(value).expanduser().exists():
+            raise FileNotFoundError(f"--{flag.replace('_', '-')} {value!r} does not exist; give an existing local "
+                                    f"path (see evaluation/README.md)")
+
     for text in args.dimension:
         name, path = _split_spec(text, "--dimension")
+        if path and not Path(path).expanduser().exists():
+            raise FileNotFoundError(f"--dimension {text!r}: {path!r} does not exist; give the local weights folder")
         cls = DIMENSIONS.get(name)
         if cls is not None and cls.needs_weights and not path:
             files = ", ".join(getattr(cls, "weight_files", {}) or ["its weights"])

@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     # everything that can be checked without the model, before loading it (nothing is written on failure)
     check_sample_size(args.model, args.height, args.width, args.frames)
+    if args.pretrained is not None and not Path(args.pretrained).expanduser().is_dir():
+        parser.error(f"--pretrained {args.pretrained!r} is not a folder; give the local base-model folder")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file; give a folder")

@@ -335,3 +335,15 @@ def test_bad_height_errors_before_any_model_and_leaves_no_folder(tmp_path, monke
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines()[-1].startswith("error: --width 9: ") and "use 8 or 10" in run.stderr
     assert not (tmp_path / "new").exists()
+
+
+def test_ode_pairs_and_export_check_inputs_before_any_model(tmp_path, monkeypatch):
+    _no_model(monkeypatch)
+    ode_pairs = _script("ode_pairs")
+    out = tmp_path / "pairs" / "p.pt"
+    with pytest.raises(ValueError, match=r"--width 7: .*multiple of 2 .*use 6 or 8"):
+        ode_pairs.main(["--width", "7", "--num", "2", "--out", str(out)])
+    with pytest.raises(SystemExit):  # parser.error: the message names the flag and the fix
+        export.main(["--ckpt", "assets/shapes-dit", "--pretrained", str(tmp_path / "nope"), "--out",
+                     str(tmp_path / "exp")])
+    assert not (tmp_path / "pairs").exists() and not (tmp_path / "exp").exists()
