@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 __all__ = ["InterruptCheckpoint", "resume_command"]
@@ -41,7 +41,7 @@ def resume_command(argv: list[str] | None = None, prog: str | None = None, ckpt:
     return " ".join([prog, shlex.join([*kept, "--ckpt_path", ckpt])])
 
 
-class InterruptCheckpoint(Checkpoint):
+class InterruptCheckpoint(Callback):
     """On Ctrl-C (SIGINT) or SIGTERM during ``fit``, finish the current training step, write a checkpoint
     atomically and print the command that resumes from it. ``genrl fit`` adds it to every run.
 
@@ -54,7 +54,9 @@ class InterruptCheckpoint(Checkpoint):
     The checkpoint is ``last-interrupt.ckpt`` in the folder of the run's first :class:`ModelCheckpoint`, where
     Lightning's ``ckpt_path="last"`` looks (it takes the newest ``last*.ckpt`` there), so the printed
     ``... --ckpt_path last`` resumes it; without a ModelCheckpoint (or one whose folder depends on the logger's
-    version) the message names the file itself. The file is written to a temporary name and renamed into place
+    version) the message names the file itself. A plain Callback (not a Lightning ``Checkpoint``), so runs with
+    ``trainer.enable_checkpointing: false`` accept it (they save to ``default_root_dir`` on interruption).
+    The file is written to a temporary name and renamed into place
     (``os.replace``), and removed when a later ``fit`` of the run finishes normally (the run's own checkpoints
     are newer then).
 
