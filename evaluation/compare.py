@@ -61,7 +61,7 @@ def metric_table(results: dict[str, Any]) -> dict[str, tuple[float | None, dict 
 
 
 def _num(v: float | None, d: int = 4) -> str:
-    return "-" if v is None or not math.isfinite(v) else f"{v:.{d}f}"
+    return "n/a" if v is None or not math.isfinite(v) else f"{v:.{d}f}"
 
 
 def compare(paths: list[str | Path], labels: list[str] | None = None) -> dict[str, Any]:
@@ -122,7 +122,7 @@ def to_markdown(cmp: dict[str, Any]) -> str:
             cells.append(_num(v) + (f" ± {_num(s)}{group}" if s is not None else ""))
         for d, f in zip(r["deltas"], r["flags"]):
             text = _num(d)
-            cells.append(("+" if d is not None and not text.startswith("-") and float(text) != 0 else "") + text
+            cells.append(("+" if d is not None and math.isfinite(d) and float(text) > 0 else "") + text
                          + (" *" if f else ""))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "_± = standard deviation of the run's per-seed (or per-sample-index) values over the groups "

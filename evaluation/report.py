@@ -17,17 +17,25 @@ from typing import Any
 PLOTS = "plots"
 
 
-def _fmt(v: Any, digits: int = 4) -> str:
+#: how an undefined metric (None, NaN: e.g. step following on a suite without multi-step prompts) is shown
+NA = "n/a"
+
+
+def fmt_value(v: Any, digits: int = 4) -> str:
+    """A metric for a table or the terminal: ``digits`` decimals, :data:`NA` when undefined (None, NaN, inf)."""
     if v is None:
-        return "-"
+        return NA
     if isinstance(v, float):
-        return "-" if not math.isfinite(v) else f"{v:.{digits}f}"
+        return NA if not math.isfinite(v) else f"{v:.{digits}f}"
     return str(v)
+
+
+_fmt = fmt_value
 
 
 def _spread_text(s: dict | None) -> str:
     if not s or s.get("std") is None or not math.isfinite(s["std"]):
-        return "-"
+        return NA
     return f"±{s['std']:.4f} over {s['n_groups']} {s['over']}s"
 
 
@@ -109,8 +117,24 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str
     return tables
 
 
+def clipped_errors(values: list[float | None], errs: list[float | None],
+                   bounds: tuple[float, float] | None) -> list[list[float]]:
+    """Asymmetric error bars ``[lower, upper]`` for ``values ± errs`` that stay inside ``bounds`` (a score in
+    [0, 1] never gets a bar past 0 or 1); undefined values or errors get no bar."""
+    lower, upper = [], []
+    for v, e in zip(values, errs):
+        if v is None or e is None or not math.isfinite(v) or not math.isfinite(e):
+            lower.append(0.0)
+            upper.append(0.0)
+            continue
+        lo, hi = (v - e, v + e) if bounds is None else (max(bounds[0], v - e), min(bounds[1], v + e))
+        lower.append(max(0.0, v - lo))
+        upper.append(max(0.0, hi - v))
+    return [lower, upper]
+
+
 def _plot_bars(path: Path, labels: list[str], values: list[float], errs: list[float] | None, hatch: list[bool],
-               title: str, xlim: tuple[float, float] | None) -> None:
+               title: str, xlim: tuple[float, float] | None, bounds: tuple[float, float] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,8 +142,8 @@ def _plot_bars(path: Path, labels: list[str], values: list[float], errs: list[fl
 
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(labels) + 1.2))
     ys = list(range(len(labels)))
-    bars = ax.barh(ys, [v if v is not None and math.isfinite(v) else 0.0 for v in values],
-                   xerr=[e if e is not None and math.isfinite(e) else 0.0 for e in errs] if errs else None,
+    xerr = clipped_errors(values, errs, bounds) if errs else None
+    bars = ax.barh(ys, [v if v is not None and math.isfinite(v) else 0.0 for v in values], xerr=xerr,
                    color=["#b0c4de" if h else "#4c72b0" for h in hatch], edgecolor="black", capsize=3)
     for b, h in zip(bars, hatch):
         if h:
@@ -128,9 +152,9 @@ def _plot_bars(path: Path, labels: list[str], values: list[float], errs: list[fl
     span = (xlim[1] - xlim[0]) if xlim else (max(finite, default=1.0) or 1.0)
     for k, (y, v) in enumerate(zip(ys, values)):
         if v is None or not math.isfinite(v):
-            ax.text(0, y, " n/a (no video scored)", va="center", fontsize=8, color="gray")
+            ax.text(0, y, f" {NA} (undefined: no video scored)", va="center", fontsize=8, color="gray")
             continue
-        e = errs[k] if errs and errs[k] is not None and math.isfinite(errs[k]) else 0.0
+        e = xerr[1][k] if xerr else 0.0
         ax.text(v + e + 0.01 * span, y, f"{v:.3f}", va="center", fontsize=8)
     ax.set_yticks(ys, labels, fontsize=8)
     ax.invert_yaxis()
@@ -197,14 +221,17 @@ def make_plots(results: dict[str, Any], out: Path, samples: int = 6) -> list[tup
                    [dims[n].get("score") for n in names],
                    [(dims[n].get("spread") or {}).get("std") for n in names],
                    [bool(dims[n].get("proxy")) for n in names], "VBench dimensions (raw score; hatched = proxy)",
-                   (0.0, 1.05))
+                   (0.0, 1.05), bounds=(0.0, 1.0))
         made.append(("VBench dimensions", f"{PLOTS}/dimensions.png"))
     rewards = results.get("rewards", {})
     if rewards:
         names = list(rewards)
+        per_key = [[(r.get("rewards") or {}).get(n) for r in results.get("per_video", [])] for n in names]
+        unit = all(v is None or 0.0 <= v <= 1.0 for vals in per_key for v in vals) and any(
+            v is not None for vals in per_key for v in vals)  # every observed score in [0, 1]: keep the bars there
         _plot_bars(plots / "rewards.png", names, [rewards[n].get("mean") for n in names],
                    [rewards[n].get("std") for n in names], [False] * len(names), "Rewards (mean ± std over videos)",
-                   None)
+                   None, bounds=(0.0, 1.0) if unit else None)
         made.append(("Rewards", f"{PLOTS}/rewards.png"))
         main = [k for k in names if k.endswith("/reward")]
         series = {k: [r["rewards"][k] for r in results.get("per_video", [])

@@ -103,8 +103,16 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     from genrl.eval.dimensions import DIMENSIONS
 
+    for flag in ("fvd_real", "fid_real", "i3d", "inception", "clip_fid"):
+        value = getattr(args, flag, None)
+        if value and not Path(value).expanduser().exists():
+            raise FileNotFoundError(f"--{flag.replace('_', '-')} {value!r} does not exist; give an existing local "
+                                    f"path (see evaluation/README.md)")
+
     for text in args.dimension:
         name, path = _split_spec(text, "--dimension")
+        if path and not Path(path).expanduser().exists():
+            raise FileNotFoundError(f"--dimension {text!r}: {path!r} does not exist; give the local weights folder")
         cls = DIMENSIONS.get(name)
         if cls is not None and cls.needs_weights and not path:
             files = ", ".join(getattr(cls, "weight_files", {}) or ["its weights"])
@@ -474,22 +482,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def summary(results: dict[str, Any]) -> str:
-    """A few lines for the terminal."""
+    """A few lines for the terminal (undefined metrics as ``n/a``)."""
+    from evaluation.report import fmt_value
+
     lines = [f"evaluated {results['n_videos']} videos in {results['elapsed_s']} s -> {results['out']}"]
     for name, d in results["dimensions"].items():
         tag = " (proxy)" if d["proxy"] else ""
         if d["n"]:
-            lines.append(f"  {name}{tag}: {d['score']:.4f} on {d['n']} videos")
+            lines.append(f"  {name}{tag}: {fmt_value(d['score'])} on {d['n']} videos")
         else:
             lines.append(f"  {name}{tag}: no video scored" + (f" ({d['note']})" if d.get("note") else
                                                               " (see the skipped list)"))
     for name, r in results["rewards"].items():
-        lines.append(f"  {name}: {r['mean']:.4f} (n={r['n_valid']}, invalid {r['n_invalid']})")
+        lines.append(f"  {name}: {fmt_value(r['mean'])} (n={r['n_valid']}, invalid {r['n_invalid']})")
     for name, r in results.get("distribution", {}).items():
         if "error" in r:
             lines.append(f"  {name}: {r['error']}")
         else:
-            lines.append(f"  {name}: {r[name]:.3f} ({r.get('n_real')} real vs {r.get('n_fake')} generated)")
+            lines.append(f"  {name}: {fmt_value(r[name], 3)} ({r.get('n_real')} real vs {r.get('n_fake')} generated)")
     if results["skipped"]:
         lines.append(f"  skipped: {len(results['skipped'])} (see report)")
     return "\n".join(lines)

@@ -15,16 +15,19 @@ overrides come last (``--model.cfg_scale=4``), ``--print_config`` prints the res
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import re
 import sys
 from pathlib import Path
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
 import genrl.methods  # noqa: F401  (registers genrl's methods for short class names)
+from genrl.callbacks import InterruptCheckpoint
 
-__all__ = ["GenRLCLI", "check_legacy_keys", "main"]
+__all__ = ["GenRLArgumentParser", "GenRLCLI", "check_legacy_keys", "main", "suggest_keys"]
 
 #: method arguments replaced by the one ``generator:`` spec (genrl's DiT is ``generator: {family: dit, ...}``).
 LEGACY_KEYS = {
@@ -63,9 +66,107 @@ def check_legacy_keys(args) -> None:
                          f"text_encoder: minilm}} (docs/models.md)")
 
 
+def _parser_keys(parser) -> set[str]:
+    """Every option key of ``parser`` and of its subcommand parsers (``trainer.max_steps``, ``ckpt_path``...)."""
+    keys: set[str] = set()
+    for action in getattr(parser, "_actions", []):
+        if isinstance(action.dest, str) and action.dest not in ("help", "config", "print_config"):
+            keys.add(action.dest)
+        for sub in (getattr(action, "_name_parser_map", None) or {}).values():
+            keys |= _parser_keys(sub)
+    return keys
+
+
+def _class_keys(class_path: str) -> set[str]:
+    """The init argument names of ``class_path`` as jsonargparse reads them (its parents' through ``**kwargs``)."""
+    try:
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        from jsonargparse import ArgumentParser
+
+        p = ArgumentParser(exit_on_error=False)
+        p.add_class_arguments(cls, fail_untyped=False)
+        return {k.split(".", 1)[0] for k in _parser_keys(p)}
+    except Exception:  # noqa: BLE001 - suggestions are a courtesy: none rather than a second error
+        return set()
+
+
+def suggest_keys(message: str, parser=None) -> list[tuple[str, list[str]]]:
+    """The unknown config keys a jsonargparse error ``message`` names, each with the closest valid keys
+    (``difflib`` over the parser's keys, or over the init arguments of the class the message names).
+
+    Example: ``"Subcommand 'fit' does not accept option 'trainer.max_stepz'"`` ->
+    ``[("trainer.max_stepz", ["trainer.max_steps", ...])]``.
+    """
+    found: list[tuple[str, list[str]]] = []
+    parser_keys = _parser_keys(parser) if parser is not None else set()
+    for m in re.finditer(r"(?:does not accept option|unrecognized arguments:)\s+'?(--)?([\w.\-]+)", message):
+        found.append((m.group(2), _closest(m.group(2), parser_keys)))
+    owner = re.search(r'Parser key "([\w.]+)"', message)
+    for m in re.finditer(r"class_path '([\w.]+)':\s*\n?\s*(?:Option|Key) '([\w.]+)' is not (?:accepted|expected)",
+                         message):
+        prefix = f"{owner.group(1)}.init_args." if owner else ""
+        keys = _class_keys(m.group(1))
+        found.append((prefix + m.group(2), [prefix + k for k in _closest(m.group(2), keys)]))
+    return found
+
+
+def _closest(bad: str, keys: set[str], n: int = 3) -> list[str]:
+    parent, _, leaf = bad.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}
+    close = [siblings[k] for k in difflib.get_close_matches(leaf, list(siblings), n=n, cutoff=0.6)]
+    return close or difflib.get_close_matches(bad, sorted(keys), n=n, cutoff=0.6)
+
+
+class GenRLArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, with errors that lead with the problem: ``error: <what>``, then for an unknown key
+    the closest valid keys (``did you mean``), then jsonargparse's details and a one-line usage hint (instead of
+    the whole usage block first)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        """Print the error (unknown keys with suggestions first) and exit with code 2; raise like jsonargparse
+        when ``exit_on_error`` is off or its debug mode is on."""
+        from jsonargparse._common import debug_mode_active
+
+        if not self.exit_on_error or debug_mode_active():
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        lines = [f"error: {message.strip().splitlines()[0] if message.strip() else message}"]
+        for key, close in suggest_keys(message, self):
+            lines.append(f"  unknown key {key!r}" + (f"; did you mean: {', '.join(close)}?" if close else ""))
+        rest = message.strip().splitlines()[1:]
+        lines += rest
+        prog = parser.prog.replace(" [options]", "")
+        lines.append(f"usage: {prog} --config FILE.yaml [--KEY=VALUE ...]; all options: {prog} --help")
+        sys.stderr.write("\n".join(lines) + "\n")
+        self.exit(2)
+
+
+def _accelerator_problem(name) -> str | None:
+    """Why ``trainer.accelerator: <name>`` cannot run here (with the fix), or None when it can."""
+    if not isinstance(name, str) or name == "auto":
+        return None
+    from lightning.pytorch.accelerators import AcceleratorRegistry, CUDAAccelerator, MPSAccelerator
+
+    key = name.lower()
+    if key == "gpu":
+        available = CUDAAccelerator.is_available() or MPSAccelerator.is_available()
+    elif key in AcceleratorRegistry:
+        available = AcceleratorRegistry[key]["accelerator"].is_available()
+    else:
+        return None  # Lightning names the valid ones itself
+    if available:
+        return None
+    return (f"trainer.accelerator={name} but this machine has no {'GPU' if key in ('gpu', 'cuda') else key} "
+            f"available; add --trainer.accelerator=cpu (or --trainer.accelerator=auto) to run here")
+
+
 class GenRLCLI(LightningCLI):
     """LightningCLI with genrl's defaults: subclass mode for model and data, omegaconf interpolation,
-    config saved next to the logs (overwritten on resume), optimizers configured by the methods."""
+    config saved next to the logs (overwritten on resume), optimizers configured by the methods; an
+    :class:`~genrl.callbacks.InterruptCheckpoint` on every run (Ctrl-C / SIGTERM save a resumable checkpoint and
+    print the resume command); errors that lead with the problem (:class:`GenRLArgumentParser`); and an
+    accelerator that is not available here refused before any model is built."""
 
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
         kwargs.setdefault("subclass_mode_model", True)
@@ -73,8 +174,23 @@ class GenRLCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"parser_mode": "omegaconf"})
+        kwargs.setdefault("parser_class", GenRLArgumentParser)
+        defaults = dict(kwargs.get("trainer_defaults") or {})
+        callbacks = defaults.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        # the resume command repeats the arguments (a CLI built with run=False is used as `fit`)
+        argv = None if args is None else [*([] if run else ["fit"]), *args]
+        defaults["callbacks"] = [*callbacks, InterruptCheckpoint(argv=argv)]
+        kwargs["trainer_defaults"] = defaults
         check_legacy_keys(args)
         super().__init__(args=args, run=run, **kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        """Refuse an accelerator this machine does not have (e.g. ``gpu`` without CUDA) before the model is built,
+        naming the fix ``--trainer.accelerator=cpu``."""
+        problem = _accelerator_problem(self._get(self.config, "trainer", default={}).get("accelerator"))
+        if problem:
+            self._parser(self.subcommand).error(problem)
 
 
 #: ``genrl <tool> ...`` commands that are not LightningCLI subcommands: ``{argv[1]: "module:function"}``; the

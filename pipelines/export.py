@@ -73,8 +73,12 @@ def main(argv: list[str] | None = None) -> dict:
         ValueError: ``--mode lora`` for a generator without a LoRA adapter (and :func:`load_generator`'s errors).
         FileNotFoundError: see :func:`genrl.models.loading.load_generator`.
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     out = Path(args.out).expanduser()
+    if args.pretrained is not None and not Path(args.pretrained).expanduser().is_dir():
+        parser.error(f"--pretrained {args.pretrained!r} is not a folder; give the local base-model folder the "
+                     f"checkpoint was trained from")
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"{str(out)!r} exists; choose another --out or pass --overwrite to replace it")
 

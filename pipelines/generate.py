@@ -34,7 +34,11 @@ Prompt p's sample k has the global index i = p * N + k (N = ``--samples-per-prom
 addressed by (``--seed``, i), so a sample does not depend on its batch: the same command regenerates the
 same files, and an interrupted run resumes: files that exist are skipped, files are written atomically, and
 ``manifest.jsonl`` is rewritten after every batch (one line per file; lines of earlier runs in the same folder
-are kept, never duplicated). Size: the DiT samples ``--frames`` x ``--height`` x ``--width`` (default 8 x 16 x
+are kept, never duplicated). The first run records its flags in ``generate_settings.json``; a rerun into the
+same folder with other ones (e.g. another ``--samples-per-prompt``) is refused before the model loads, naming
+each differing flag (use a new ``--out``). Sizes the model cannot take (``--height`` not a multiple of the
+patch / VAE factor, read from the folder's config json) are refused before loading too.
+Size: the DiT samples ``--frames`` x ``--height`` x ``--width`` (default 8 x 16 x
 16); a family its own (or the checkpoint's recorded) size unless given. Names: ``{i:05d}.mp4`` (``.png`` for
 image families), or with ``--vbench-names`` ``{prompt}-{k}.mp4`` (``/`` in a prompt becomes ``_``; names over
 255 bytes keep the first 180 characters of the prompt, VBench-2.0's rule; a prompt listed twice is generated
@@ -52,6 +56,47 @@ from pathlib import Path
 import torch
 
 _SETTINGS = ("model", "seed", "index", "steps", "cfg_scale", "shift", "kernel", "height", "width", "num_frames")
+
+#: the folder's record of the flags that decide its file names and contents (written by the first run)
+SETTINGS_FILE = "generate_settings.json"
+#: flags recorded in SETTINGS_FILE (as given: None means the model's default); --limit, --batch-size and --device
+#: are not among them (a longer --limit extends the same layout; samples do not depend on their batch)
+_LAYOUT_FLAGS = ("model", "pretrained", "no_ema", "text_encoder", "prompt", "prompts", "samples_per_prompt",
+                 "vbench_names", "frames", "height", "width", "steps", "cfg_scale", "shift", "negative_prompt", "seed",
+                 "fps", "causal_chunk", "timesteps", "local_window", "sink", "positions", "dtype")
+
+
+def layout_settings(args: argparse.Namespace) -> dict:
+    """The flags of ``args`` that decide the output folder's file names and contents (:data:`_LAYOUT_FLAGS`)."""
+    return {k: getattr(args, k) for k in _LAYOUT_FLAGS}
+
+
+def check_settings(out: Path, settings: dict) -> None:
+    """Refuse to resume into ``out`` when its :data:`SETTINGS_FILE` (the first run's flags) differs from
+    ``settings``: files of two layouts would mix in one folder.
+
+    Raises:
+        ValueError: names each differing flag with the folder's and this command's value, and the fixes.
+    """
+    path = out / SETTINGS_FILE
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return
+    diff = [k for k in settings if k in old and old[k] != settings[k]]
+    if diff:
+        flags = "; ".join(f"--{k.replace('_', '-')}: {old[k]!r} in the folder, {settings[k]!r} now" for k in diff)
+        raise ValueError(f"{str(out)!r} holds samples made with other settings ({flags}); its files would mix two "
+                         f"layouts. Use a new --out for these settings, or rerun with the folder's flags "
+                         f"(recorded in {str(path)!r}) to resume it")
+
+
+def _write_settings(out: Path, settings: dict) -> None:
+    path = out / SETTINGS_FILE
+    if not path.is_file():
+        _atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(settings, indent=1) + "\n"))
 
 
 def vbench_name(prompt: str, k: int, ext: str = "mp4") -> str:
@@ -203,7 +248,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from genrl.data.video_io import write_video
     from genrl.models.generator import DiTGenerator
-    from genrl.models.loading import DIT_DEFAULTS, FAMILY_DEFAULTS, load_generator
+    from genrl.models.loading import DIT_DEFAULTS, FAMILY_DEFAULTS, check_sample_size, load_generator
+
+    # everything that can be checked without the model, before loading it (nothing is written on failure)
+    check_sample_size(args.model, args.height, args.width, args.frames)
+    if args.pretrained is not None and not Path(args.pretrained).expanduser().is_dir():
+        parser.error(f"--pretrained {args.pretrained!r} is not a folder; give the local base-model folder")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; give a folder")
+    layout = layout_settings(args)
+    check_settings(out, layout)
     from genrl.rollout.sampler import RolloutConfig, rollout
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -250,8 +305,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"loaded {kind} generator from {args.model} in {time.perf_counter() - t0:.1f} s; "
           f"{height}x{width}x{num_frames}, {steps} steps, CFG {cfg_scale}, shift {shift}, on {device}")
 
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    _write_settings(out, layout)
     n = args.samples_per_prompt
     plan: list[dict] = []
     seen: set[str] = set()

@@ -287,8 +287,12 @@ def main(argv: list[str] | None = None) -> Path:
 
     from genrl.data.prompts import load_prompts
     from genrl.models.generator import DiTGenerator
-    from genrl.models.loading import DIT_DEFAULTS, load_generator
+    from genrl.models.loading import DIT_DEFAULTS, check_sample_size, load_generator
 
+    # checked before the teacher loads; nothing is written on failure
+    check_sample_size(args.teacher, args.height, args.width, args.frames)
+    if args.pretrained is not None and not Path(args.pretrained).expanduser().is_dir():
+        parser.error(f"--pretrained {args.pretrained!r} is not a folder; give the local base-model folder")
     records = load_prompts(args.prompts)
     prompts = [records[i % len(records)].prompt for i in range(args.num)]
     sigmas = student_sigmas_of(args.student_timesteps, args.student_shift, warp=not args.no_warp)

@@ -360,3 +360,44 @@ def test_module_cli_help_and_errors(tmp_path):
     assert bad.returncode == 1 and "does not exist" in bad.stderr
     dims = subprocess.run(env_cmd + ["dimensions"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert dims.returncode == 0 and "dynamic_degree" in dims.stdout and "proxy" in dims.stdout
+
+
+def test_undefined_metrics_print_n_a_and_bounded_scores_keep_their_bars_in_0_1(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from evaluation import report as report_mod
+
+    per_video = [{"file": f"{i}.mp4", "prompt": "a red circle", "dimensions": {"temporal_flickering": v},
+                  "rewards": {"shapes/reward": r, "shapes/step_following": None}}
+                 for i, (v, r) in enumerate([(0.99, 1.0), (0.97, 1.0), (0.80, 0.4), (0.99, 1.0)])]
+    results = {"schema": 1, "videos": str(tmp_path), "out": str(tmp_path / "eval"), "n_videos": 4, "elapsed_s": 1.0,
+               "dimensions": {"temporal_flickering": {"score": 0.94, "proxy": False, "n": 4,
+                                                      "spread": {"std": 0.09, "n_groups": 4, "over": "seed"}}},
+               "rewards": {"shapes/reward": {"mean": 0.85, "std": 0.3, "n_valid": 4, "n_invalid": 0},
+                           "shapes/step_following": {"mean": float("nan"), "std": None, "n_valid": 0,
+                                                     "n_invalid": 4}},
+               "distribution": {}, "skipped": [], "per_video": per_video}
+    bars = []
+    real_barh = matplotlib.axes.Axes.barh
+
+    def recording_barh(self, y, width, *args, **kwargs):
+        bars.append((list(width), kwargs.get("xerr")))
+        return real_barh(self, y, width, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", recording_barh)
+    paths = report_mod.write_report(results, tmp_path / "eval", samples=0)
+    md, page = paths["markdown"].read_text(), paths["html"].read_text()
+    assert "| shapes/step_following | n/a | n/a | 0 | 4 | n/a |" in md and "nan" not in md
+    assert "<td>shapes/step_following</td><td>n/a</td>" in page and "nan" not in page
+    console = run_mod.summary(results)
+    assert "shapes/step_following: n/a (n=0, invalid 4)" in console and "nan" not in console
+    assert len(bars) == 2  # dimensions, rewards
+    for values, (lower, upper) in bars:  # mean - lower >= 0 and mean + upper <= 1 for every bar
+        for v, lo, up in zip(values, lower, upper):
+            assert v - lo >= -1e-12 and v + up <= 1 + 1e-12, (v, lo, up)
+    assert bars[0][1][1][0] == pytest.approx(0.06) and bars[0][1][0][0] == pytest.approx(0.09)  # 0.94 + 0.06 = 1
+    assert bars[1][1][1][0] == pytest.approx(0.15) and bars[1][1][0][0] == pytest.approx(0.3)
+    a = _results(tmp_path / "a", {}, {"shapes/step_following": (None, None), "shapes/reward": (0.5, 0.1)})
+    b = _results(tmp_path / "b", {}, {"shapes/step_following": (None, None), "shapes/reward": (0.6, 0.1)})
+    text = compare_mod.to_markdown(compare_mod.compare([a, b], ["base", "rl"]))
+    assert "nan" not in text and "+0.1000" in text

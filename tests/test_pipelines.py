@@ -289,3 +289,61 @@ def test_clear_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="without model_index.json or config.json"):
         load_generator(str(tmp_path / "empty"))
+
+
+# ---------------------------------------------------------------------------------------------- fail early, no mixing
+def _no_model(monkeypatch):
+    import genrl.models.loading as loading
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(loading, "load_generator", refuse)
+
+
+def test_generate_resume_with_another_layout_errors_before_loading_and_keeps_every_file(tmp_path, monkeypatch):
+    out = tmp_path / "o"
+    argv = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--steps", "1", "--frames", "2", "--height", "8",
+            "--width", "8", "--out", str(out)]
+    generate.main(argv)
+    settings = json.loads((out / generate.SETTINGS_FILE).read_text())
+    assert settings["samples_per_prompt"] == 1 and settings["height"] == 8 and settings["seed"] == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert sorted(before) == ["00000.mp4", "00001.mp4", "generate_settings.json", "manifest.jsonl"]
+    _no_model(monkeypatch)
+    with pytest.raises(ValueError) as err:
+        generate.main([*argv, "--samples-per-prompt", "2", "--seed", "3"])
+    msg = str(err.value)
+    assert "--samples-per-prompt: 1 in the folder, 2 now" in msg and "--seed: 0 in the folder, 3 now" in msg
+    assert "new --out" in msg and "--height" not in msg
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # nothing lost, nothing added
+
+
+def test_bad_height_errors_before_any_model_and_leaves_no_folder(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    _no_model(monkeypatch)
+    out = tmp_path / "new" / "o"
+    with pytest.raises(ValueError, match=r"--height 15: .*multiple of 2 \(the DiT's patch_size \[2, 2, 2\]\); use 14 "
+                                         r"or 16"):
+        generate.main(["--prompt", "x", "--height", "15", "--out", str(out)])
+    assert not (tmp_path / "new").exists()
+    # as a script: one line naming the value and the fix, no traceback, exit code 1, no folder
+    run = subprocess.run([sys.executable, str(ROOT / "pipelines/generate.py"), "--prompt", "x", "--width", "9",
+                          "--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("error: --width 9: ") and "use 8 or 10" in run.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_ode_pairs_and_export_check_inputs_before_any_model(tmp_path, monkeypatch):
+    _no_model(monkeypatch)
+    ode_pairs = _script("ode_pairs")
+    out = tmp_path / "pairs" / "p.pt"
+    with pytest.raises(ValueError, match=r"--width 7: .*multiple of 2 .*use 6 or 8"):
+        ode_pairs.main(["--width", "7", "--num", "2", "--out", str(out)])
+    with pytest.raises(SystemExit):  # parser.error: the message names the flag and the fix
+        export.main(["--ckpt", "assets/shapes-dit", "--pretrained", str(tmp_path / "nope"), "--out",
+                     str(tmp_path / "exp")])
+    assert not (tmp_path / "pairs").exists() and not (tmp_path / "exp").exists()

@@ -1,7 +1,8 @@
-"""Lightning callbacks: EMA, sample-video logging, diffusers export."""
+"""Lightning callbacks: EMA, sample-video logging, diffusers export, the checkpoint on interruption."""
 
 from genrl.callbacks.ema import EMA, find_ema
 from genrl.callbacks.export import DiffusersExport
+from genrl.callbacks.interrupt import InterruptCheckpoint, resume_command
 from genrl.callbacks.video_logger import VideoLogger, filmstrip
 
-__all__ = ["EMA", "find_ema", "DiffusersExport", "VideoLogger", "filmstrip"]
+__all__ = ["EMA", "find_ema", "DiffusersExport", "InterruptCheckpoint", "resume_command", "VideoLogger", "filmstrip"]

@@ -33,7 +33,8 @@ from genrl.models.lora import LoraSpec
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import TextEncoder
 
-__all__ = ["load_generator", "PIPELINE_FAMILIES", "FAMILY_DEFAULTS", "family_of_pipeline", "has_lora",
+__all__ = ["load_generator", "check_sample_size", "size_multiples",
+           "PIPELINE_FAMILIES", "FAMILY_DEFAULTS", "family_of_pipeline", "has_lora",
            "checkpoint_kind", "CAUSAL_SCHEDULE_FILE", "EXPORT_INFO_FILE"]
 
 #: file next to an exported causal student's config.json: its ChunkSchedule (chunk layout, few-step list), so
@@ -101,6 +102,82 @@ def family_of_pipeline(folder: str | Path) -> str:
             + ", ".join(f"{k} ({v})" for k, v in PIPELINE_FAMILIES.items())
         )
     return PIPELINE_FAMILIES[name]
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def size_multiples(model: str | Path) -> dict[str, Any] | None:
+    """What sample sizes ``model`` takes, read from its folder's config json files without building it:
+    ``{"height": m, "width": m, "frames": m, "frames_offset": o, "why": "..."}`` (a size must be a positive
+    multiple of ``m``; frames must be ``m k + o``), or None when the folder does not say (a checkpoint file, an
+    unknown pipeline class).
+
+    genrl's DiT: the transformer's ``patch_size`` (its sizes are latent = pixel sizes). A diffusers pipeline:
+    the VAE's spatial factor x the transformer's patch (x 2 for FLUX's 2x2 packing); Wan's frames 4k + 1.
+
+    Raises:
+        FileNotFoundError: nothing at ``model`` (the message names the path and what was expected).
+    """
+    path = _resolve(model)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {str(model)!r}; {_EXPECTED}")
+    if path.is_file():
+        return None
+    config = _json(path / "config.json")
+    if config.get("_class_name") == "VideoDiT":
+        t, h, w = (list(config.get("patch_size") or [1, 2, 2]) + [1, 1, 1])[:3]
+        return dict(height=int(h), width=int(w), frames=int(t), frames_offset=0,
+                    why=f"the DiT's patch_size {[t, h, w]}")
+    index = _json(path / "model_index.json")
+    family = PIPELINE_FAMILIES.get(index.get("_class_name"))
+    vae, tr = _json(path / "vae" / "config.json"), _json(path / "transformer" / "config.json")
+    if family is None or not vae or not tr:
+        return None
+    patch = tr.get("patch_size", 1)
+    ph, pw = (int(patch[1]), int(patch[2])) if isinstance(patch, (list, tuple)) else (int(patch), int(patch))
+    if family == "wan":
+        st, ss = int(vae.get("scale_factor_temporal") or 4), int(vae.get("scale_factor_spatial") or 8)
+        return dict(height=ss * ph, width=ss * pw, frames=st, frames_offset=1,
+                    why=f"VAE factor {ss} x patch {ph}; frames {st}k+1")
+    blocks = vae.get("encoder_block_out_channels") or vae.get("block_out_channels") or [0] * 4
+    f = 2 ** (len(blocks) - 1)
+    pack = 2 if family == "flux" else 1
+    m = f * ph * pack
+    return dict(height=m, width=m, frames=None, frames_offset=0,
+                why=f"VAE factor {f} x {'2x2 packing' if family == 'flux' else f'patch {ph}'}")
+
+
+def check_sample_size(model: str | Path, height: int | None = None, width: int | None = None,
+                      num_frames: int | None = None, flag: str = "--") -> None:
+    """Refuse a sample size ``model`` cannot generate, before it is loaded (:func:`size_multiples`); sizes left
+    None are the model's defaults and are not checked.
+
+    Raises:
+        FileNotFoundError: nothing at ``model``.
+        ValueError: names the bad value, the rule it breaks and the nearest valid values (e.g. ``--height 15: must
+            be a multiple of 2 (the DiT's patch_size [2, 2, 2]); use 14 or 16``).
+    """
+    rule = size_multiples(model)
+    if rule is None:
+        return
+    for name, value in (("height", height), ("width", width), ("frames", num_frames)):
+        m = rule[name]
+        if value is None or not m:
+            continue
+        o = rule["frames_offset"] if name == "frames" else 0
+        if value >= max(1, o) and (value - o) % m == 0:
+            continue
+        low = (value - o) // m * m + o
+        options = [v for v in (low, low + m) if v >= max(1, o) and v != value]
+        rule_text = f"a positive multiple of {m}" if not o else f"{m}k+{o}"
+        raise ValueError(f"{flag}{name} {value}: {str(model)!r} needs {name} {rule_text} ({rule['why']}); "
+                         f"use {' or '.join(map(str, options))}")
 
 
 def has_lora(generator) -> bool:

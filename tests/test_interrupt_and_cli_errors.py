@@ -1,0 +1,126 @@
+"""`genrl fit` on interruption (Ctrl-C saves a resumable checkpoint and names the resume command) and its errors
+(a config typo names the key and the closest valid ones first; an accelerator that is not there is refused)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from genrl.callbacks import InterruptCheckpoint, resume_command
+from genrl.cli import GenRLCLI, main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = str(ROOT / "configs/quickstart.yaml")
+TINY = str(ROOT / "configs/tiny/grpo.yaml")
+
+
+class _CtrlCAt(Callback):
+    """Delivers a real SIGINT to this process at the end of training step ``step`` (as a Ctrl-C would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def _args(tiny_policy, tiny_text_encoder, *extra: str) -> list[str]:
+    return ["fit", "--config", QUICK, "--config", TINY, "--trainer.enable_progress_bar=false",
+            f"--model.init_args.generator.pretrained={tiny_policy}", "--model.init_args.generator.components={}",
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}", "--trainer.limit_val_batches=0",
+            *extra]
+
+
+def _weights(cli) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in cli.model.generator.transformer.named_parameters()}
+
+
+def test_ctrl_c_at_step_3_saves_a_checkpoint_that_resumes_like_an_uninterrupted_run(
+        tmp_path, monkeypatch, capsys, tiny_policy, tiny_text_encoder):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "cut").mkdir()
+    monkeypatch.chdir(tmp_path / "full")
+    full = GenRLCLI(args=_args(tiny_policy, tiny_text_encoder, "--trainer.max_steps=5"))
+    full_metrics = {k: float(v) for k, v in full.trainer.logged_metrics.items()}
+    monkeypatch.chdir(tmp_path / "cut")
+    args = _args(tiny_policy, tiny_text_encoder, "--trainer.max_steps=5")
+    cli = GenRLCLI(args=args[1:], run=False)  # the same CLI as `genrl fit`, plus a callback that presses Ctrl-C
+    cli.trainer.callbacks.insert(0, _CtrlCAt(3))
+    with pytest.raises(SystemExit) as stop:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert stop.value.code == 1
+    assert cli.trainer.global_step == 3  # stopped at the end of the step Ctrl-C came in, not later
+    # before the first periodic checkpoint (every 10 steps): only the interrupt checkpoint exists
+    ckpts = sorted(p.name for p in Path("runs/quickstart/checkpoints").glob("*.ckpt"))
+    assert ckpts == ["last-interrupt.ckpt"]
+    assert not list(Path("runs/quickstart/checkpoints").glob(".*tmp"))  # the temporary file was renamed
+    saved = torch.load("runs/quickstart/checkpoints/last-interrupt.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 3
+    err = capsys.readouterr().err
+    assert f"saved a checkpoint to {Path.cwd() / 'runs/quickstart/checkpoints/last-interrupt.ckpt'}" in err
+    assert err.rstrip().splitlines()[-1] == "  " + resume_command(args)
+    assert err.rstrip().endswith("--trainer.max_steps=5 --ckpt_path last")
+    # the printed command's arguments resume: --ckpt_path last finds the interrupt checkpoint
+    resumed = GenRLCLI(args=[*args, "--ckpt_path", "last"])
+    assert resumed.trainer.global_step == 5 and int(resumed.model.iteration) == 5
+    for k, v in _weights(full).items():
+        assert torch.allclose(v, _weights(resumed)[k], atol=1e-6, rtol=0), k
+    resumed_metrics = {k: float(v) for k, v in resumed.trainer.logged_metrics.items()}
+    assert resumed_metrics.keys() == full_metrics.keys() and "reward/total" in full_metrics
+    for k, v in full_metrics.items():
+        assert resumed_metrics[k] == pytest.approx(v, abs=1e-5, nan_ok=True), k
+
+
+def test_resume_command_replaces_ckpt_path():
+    assert resume_command(["fit", "--config", "configs/quickstart.yaml", "--ckpt_path=runs/x.ckpt"]) == \
+        "genrl fit --config configs/quickstart.yaml --ckpt_path last"
+    assert resume_command(["fit", "-c", "a b.yaml", "--ckpt_path", "best"], ckpt="/r/last-interrupt.ckpt") == \
+        "genrl fit -c 'a b.yaml' --ckpt_path /r/last-interrupt.ckpt"
+    with pytest.raises(ValueError, match="must start with 'last'"):
+        InterruptCheckpoint(filename="on_exception")
+
+
+def test_every_config_gets_the_interrupt_checkpoint(tiny_policy, tiny_text_encoder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cli = GenRLCLI(args=_args(tiny_policy, tiny_text_encoder)[1:], run=False)
+    assert sum(isinstance(c, InterruptCheckpoint) for c in cli.trainer.callbacks) == 1
+
+
+def _first_lines(capsys, monkeypatch, args) -> list[str]:
+    monkeypatch.setattr("sys.argv", ["genrl", *args])  # as typed in a shell
+    with pytest.raises(SystemExit) as stop:
+        main()
+    assert stop.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_config_typo_names_the_key_and_the_closest_ones_first(tmp_path, capsys, monkeypatch):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("trainer:\n  max_stepz: 3\n")
+    head = "\n".join(_first_lines(capsys, monkeypatch, ["fit", "--config", QUICK, "--config", str(typo)])[:5])
+    assert "'trainer.max_stepz'" in head and "did you mean: trainer.max_steps" in head
+    typo.write_text("model:\n  init_args:\n    clip_rnage: 0.1\n")
+    head = "\n".join(_first_lines(capsys, monkeypatch, ["fit", "--config", QUICK, "--config", str(typo)])[:5])
+    assert "'model.init_args.clip_rnage'" in head and "did you mean: model.init_args.clip_range" in head
+    lines = _first_lines(capsys, monkeypatch, ["fit", "--config", QUICK, "--trainer.max_stepz=3"])
+    assert len(lines) <= 5 and "did you mean: trainer.max_steps" in lines[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_accelerator_without_cuda_fails_before_the_model_with_the_fix(capsys, monkeypatch):
+    import genrl.models.loading as loading
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before the accelerator check")
+
+    monkeypatch.setattr(loading, "load_generator", no_model)
+    monkeypatch.setattr(GenRLCLI, "instantiate_classes", no_model)
+    lines = _first_lines(capsys, monkeypatch, ["fit", "--config", QUICK, "--trainer.accelerator=gpu"])
+    assert "trainer.accelerator=gpu" in lines[0] and "--trainer.accelerator=cpu" in lines[0]
+    assert len(lines) <= 3
