@@ -29,7 +29,9 @@ of a ``VideoDiT``, e.g. ``assets/shapes-dit`` or a run's ``export/``), a diffuse
 ``shapes:heldout``), the latter cut to ``--limit``.
 
 Sampling is the deterministic ODE of :func:`genrl.rollout.sampler.rollout` (``--steps``, ``--cfg-scale``,
-``--shift``; defaults per model: the DiT 20 / 3 / 1, families see ``genrl.models.loading.FAMILY_DEFAULTS``).
+``--shift``; defaults: the sampler a genrl export recorded (``genrl_export.json``: the method's validation
+sampler, e.g. the quickstart's 10 steps at CFG 1), else per model: the DiT 20 / 3 / 1, families see
+``genrl.models.loading.FAMILY_DEFAULTS``).
 Prompt p's sample k has the global index i = p * N + k (N = ``--samples-per-prompt``) and its noise is
 addressed by (``--seed``, i), so a sample does not depend on its batch: the same command regenerates the
 same files, and an interrupted run resumes: files that exist are skipped, files are written atomically, and
@@ -268,12 +270,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          num_frames=args.frames, torch_dtype=dtype, use_ema=not args.no_ema,
                          pretrained=args.pretrained)
     gen.to(device)
+    recorded = gen.load_info.get("sampling") or {}  # an export's validation sampler: the defaults it was trained for
     if isinstance(gen, DiTGenerator):
         kind, d = "dit", DIT_DEFAULTS
         height, width = args.height or d["height"], args.width or d["width"]
         num_frames = args.frames or d["num_frames"]
         latent_shape = (num_frames, gen.codec.latent_channels, height, width)
-        shift = d["shift"] if args.shift is None else args.shift
+        shift = recorded.get("shift", d["shift"]) if args.shift is None else args.shift
         is_video = num_frames > 1
         batch_default = 32
     else:
@@ -284,8 +287,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         is_video = bool(gen.is_video)
         batch_default = 1
     schedule = _causal_schedule(gen, args, shift)
-    steps = schedule.num_steps if schedule is not None else (args.steps or d["steps"])
-    cfg_scale = d["cfg_scale"] if args.cfg_scale is None else args.cfg_scale
+    steps = schedule.num_steps if schedule is not None else (args.steps or recorded.get("steps") or d["steps"])
+    cfg_scale = recorded.get("cfg_scale", d["cfg_scale"]) if args.cfg_scale is None else args.cfg_scale
     if schedule is not None:
         cfg_scale = 1.0  # a distilled causal student samples without CFG
     fps = args.fps or d["fps"] or 8

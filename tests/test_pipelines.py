@@ -347,3 +347,28 @@ def test_ode_pairs_and_export_check_inputs_before_any_model(tmp_path, monkeypatc
         export.main(["--ckpt", "assets/shapes-dit", "--pretrained", str(tmp_path / "nope"), "--out",
                      str(tmp_path / "exp")])
     assert not (tmp_path / "pairs").exists() and not (tmp_path / "exp").exists()
+
+
+def test_recorded_sampler_is_the_default_of_generate_and_shapes_eval(tiny_policy, tiny_text_encoder, tmp_path):
+    """An export's genrl_export.json names its validation sampler; generate.py and shapes_eval.py sample with it
+    unless a flag says otherwise."""
+    import shutil
+
+    model = tmp_path / "export"
+    shutil.copytree(tiny_policy, model)
+    (model / "genrl_export.json").write_text(json.dumps(
+        {"ema": False, "global_step": 4, "sampling": {"steps": 3, "cfg_scale": 1.0, "shift": 2.0}}))
+    args = ["--model", str(model), "--text-encoder", tiny_text_encoder, "--prompt", "a red circle", "--device", "cpu"]
+    rec = generate.main([*args, "--out", str(tmp_path / "a")])[0]
+    assert (rec["steps"], rec["cfg_scale"], rec["shift"]) == (3, 1.0, 2.0)
+    rec = generate.main([*args, "--out", str(tmp_path / "b"), "--cfg-scale", "2.5", "--steps", "2"])[0]
+    assert (rec["steps"], rec["cfg_scale"], rec["shift"]) == (2, 2.5, 2.0)
+    (model / "genrl_export.json").unlink()  # a folder without the record: the DiT's defaults
+    rec = generate.main([*args, "--out", str(tmp_path / "c")])[0]
+    assert (rec["steps"], rec["cfg_scale"], rec["shift"]) == (20, 3.0, 1.0)
+    shapes_eval = importlib.util.spec_from_file_location("shapes_eval", ROOT / "evaluation" / "shapes_eval.py")
+    module = importlib.util.module_from_spec(shapes_eval)
+    shapes_eval.loader.exec_module(module)
+    (model / "genrl_export.json").write_text(json.dumps({"sampling": {"steps": 2, "cfg_scale": 1.0, "shift": 1.5}}))
+    out = module.main(["--model", str(model), "--text-encoder", tiny_text_encoder, "--num-prompts", "2"])
+    assert (out["steps"], out["cfg_scale"], out["shift"]) == (2, 1.0, 1.5)
