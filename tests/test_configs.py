@@ -112,7 +112,7 @@ def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
     tiny_transformer = {"model_class": "diffusers.WanTransformer3DModel", "pretrained": None, "subfolder": None,
                         "dtype": None, "config": TINY["wan"]["transformer"]}
     override = {
-        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 3, "limit_val_batches": 0,
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
         "model": {"init_args": {
             "generator": {"pretrained": None, "components": TINY["wan"], "torch_dtype": "float32",
@@ -152,7 +152,7 @@ def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
         captions.append(json.dumps({"file": f"{i}.mp4", "prompt": prompt}))
     (teacher / "captions.jsonl").write_text("\n".join(captions) + "\n")
     override = {
-        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 4, "limit_val_batches": 0,
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
         "model": {"init_args": {
             "generator": {"pretrained": None, "components": TINY["wan"], "torch_dtype": "float32",

@@ -111,8 +111,7 @@ class BranchGRPO(LightningModule):
         self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction (as GRPO)
-    def configure_model(self) -> None:
-        configure_policy(self)
+    configure_model = configure_policy
 
     configure_optimizers = configure_policy_optimizer
 

@@ -62,8 +62,7 @@ class RewardWeightedRegression(LightningModule):
         self.scorer = Scorer(rewards)
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
 
-    def configure_model(self) -> None:
-        configure_policy(self)
+    configure_model = configure_policy
 
     configure_optimizers = configure_policy_optimizer
 
