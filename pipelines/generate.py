@@ -211,7 +211,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, default=None, help="frames (DiT default 8; family default / recorded)")
     p.add_argument("--height", type=int, default=None, help="pixels (DiT default 16; family default / recorded)")
     p.add_argument("--width", type=int, default=None, help="pixels (DiT default 16; family default / recorded)")
-    p.add_argument("--steps", type=int, default=None, help="Euler steps (default: recorded by an export, else DiT 20 / family)")
+    p.add_argument("--steps", type=int, default=None, help="Euler steps (default: recorded, else DiT 20 / family)")
     p.add_argument("--cfg-scale", type=float, default=None, help="CFG scale w, 1 = off (default: recorded, else DiT 3)")
     p.add_argument("--shift", type=float, default=None, help="sigma shift (default: recorded, else DiT 1 / family)")
     p.add_argument("--negative-prompt", default="", help="the unconditional prompt of CFG")
