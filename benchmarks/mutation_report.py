@@ -1,0 +1,132 @@
+"""Summarise a mutmut run (``mutants/``) and check the survivors against the accepted list.
+
+Usage (from the repository root, after ``mutmut run``; see docs/testing.md)::
+
+    python benchmarks/mutation_report.py                 # counts per file and in total, survivors not accepted
+    python benchmarks/mutation_report.py --check         # exit 1 if a survivor of genrl/flow or genrl/rollout is
+                                                         # not in tests/mutation_accepted.txt, or an entry's
+                                                         # reason is "no test yet"
+    python benchmarks/mutation_report.py --json out.json # the counts as JSON (for benchmarks/RESULTS.md)
+
+The accepted list ``tests/mutation_accepted.txt`` has one mutant a line: ``<mutant name>  <reason>`` (the name as
+``mutmut results`` prints it, then at least one space and the reason); ``#`` starts a comment. A mutant is
+*accepted* when it survives and is listed; an entry whose mutant no longer survives is reported as stale (the
+code or the tests changed: delete the line or fix the name).
+
+Statuses are mutmut's: killed, timeout (counted as killed: the mutant made the tests run far longer), survived,
+no tests (no test runs the mutated function; counted with the survivors), not checked (the run did not reach
+it), suspicious / segfault / skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 35: "suspicious",
+          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", -11: "segfault",
+          -9: "segfault", None: "not checked"}
+STRICT = ("genrl/flow/", "genrl/rollout/")
+FORBIDDEN_REASONS = ("no test yet", "todo", "later")
+
+
+def load_results(mutants: Path) -> dict[str, tuple[str, str]]:
+    """``{mutant name: (source file relative to the root, status)}`` from mutmut's ``*.py.meta`` files.
+
+    Raises:
+        FileNotFoundError: ``mutants`` has no meta file (mutmut has not run here).
+    """
+    out: dict[str, tuple[str, str]] = {}
+    metas = sorted(mutants.glob("genrl/**/*.py.meta"))
+    if not metas:
+        raise FileNotFoundError(f"no mutmut results under {mutants}: run `mutmut run` first (docs/testing.md)")
+    for meta in metas:
+        source = str(meta.relative_to(mutants))[: -len(".meta")]
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            out[name] = (source, STATUS.get(code, "suspicious"))
+    return out
+
+
+def load_accepted(path: Path) -> dict[str, str]:
+    """``{mutant name: reason}`` from the accepted list.
+
+    Raises:
+        ValueError: a line has a name but no reason (the message names the line).
+    """
+    accepted: dict[str, str] = {}
+    if not path.exists():
+        return accepted
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.split(" #", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+        if not line:
+            continue
+        name, _, reason = line.partition(" ")
+        if not reason.strip():
+            raise ValueError(f"{path}:{i}: {name!r} has no reason; write `<mutant name>  <why it is accepted>`")
+        accepted[name] = reason.strip()
+    return accepted
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mutants", type=Path, default=ROOT / "mutants")
+    parser.add_argument("--accepted", type=Path, default=ROOT / "tests" / "mutation_accepted.txt")
+    parser.add_argument("--check", action="store_true", help="fail on an unaccepted survivor in flow / rollout")
+    parser.add_argument("--json", type=Path, help="write the counts here")
+    parser.add_argument("--list", action="store_true", help="print every unaccepted survivor")
+    args = parser.parse_args(argv)
+
+    results = load_results(args.mutants)
+    accepted = load_accepted(args.accepted)
+    per_file: dict[str, Counter] = defaultdict(Counter)
+    unaccepted: list[tuple[str, str, str]] = []
+    for name, (source, status) in sorted(results.items()):
+        alive = status in ("survived", "no tests")
+        if alive and name in accepted:
+            status = "accepted"
+        per_file[source][status] += 1
+        if alive and name not in accepted:
+            unaccepted.append((source, name, status))
+    stale = sorted(n for n in accepted if results.get(n, ("", ""))[1] not in ("survived", "no tests"))
+    bad_reasons = sorted(n for n, r in accepted.items() if any(f in r.lower() for f in FORBIDDEN_REASONS))
+
+    total: Counter = Counter()
+    cols = ("killed", "timeout", "survived", "no tests", "accepted", "not checked", "suspicious", "segfault")
+    print(f"{'file':42s} " + " ".join(f"{c:>11s}" for c in cols) + "      score")
+    for source in sorted(per_file):
+        c = per_file[source]
+        total.update(c)
+        print(f"{source:42s} " + " ".join(f"{c[k]:11d}" for k in cols) + f"   {score(c):7.1%}")
+    print(f"{'total':42s} " + " ".join(f"{total[k]:11d}" for k in cols) + f"   {score(total):7.1%}")
+    print("score = (killed + timeout) / (checked mutants - accepted); accepted = survivors listed with a reason")
+    strict = [u for u in unaccepted if u[0].startswith(STRICT)]
+    if args.list:
+        for source, name, status in unaccepted:
+            print(f"  {status:9s} {name}")
+    print(f"unaccepted survivors: {len(unaccepted)} ({len(strict)} in genrl/flow + genrl/rollout); "
+          f"stale accepted entries: {len(stale)}; forbidden reasons: {len(bad_reasons)}")
+    for n in stale:
+        print(f"  stale: {n}")
+    for n in bad_reasons:
+        print(f"  reason not allowed: {n}  {accepted[n]}")
+    if args.json:
+        args.json.write_text(json.dumps({"total": dict(total), "score": score(total),
+                                         "per_file": {k: dict(v) for k, v in per_file.items()},
+                                         "unaccepted": [u[1] for u in unaccepted]}, indent=1))
+    if args.check and (strict or bad_reasons):
+        return 1
+    return 0
+
+
+def score(c: Counter) -> float:
+    """(killed + timeout) / (checked - accepted), 0 when nothing was checked."""
+    checked = sum(v for k, v in c.items() if k not in ("not checked", "accepted", "skipped"))
+    return (c["killed"] + c["timeout"]) / checked if checked else 0.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
