@@ -184,13 +184,15 @@ class AFD(LightningModule):
         with torch.no_grad():
             return self.generator.encode(pixels.to(self.device)).float()
 
-    def discriminator_loss(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s, salt: int = 0):
+    def discriminator_loss(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s, salt: int = 0,
+                           indices: torch.Tensor | None = None):
         """BT loss (+ R1 / R2) of the (teacher, K students) pairs with the instance noise of (seed, iteration, salt)
-        (:func:`~genrl.methods.distill.discriminator_loss`); returns (loss, accuracy)."""
+        and the teacher clips' global ``indices`` (:func:`~genrl.methods.distill.discriminator_loss`); returns (loss,
+        accuracy)."""
         h = self.hparams
         return discriminator_loss(self.discriminator, teacher, student, cond_t, cond_s, h.samples_per_prompt,
                                   h.r1_weight, h.r2_weight, h.disc_noise_max,
-                                  mix_seed(h.seed, int(self.iteration), salt), self.frame_dim)
+                                  mix_seed(h.seed, int(self.iteration), salt), self.frame_dim, indices)
 
     def advantages(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s):
         """(d, A, r) over the gathered batch (:func:`~genrl.methods.distill.discriminator_advantages`)."""
@@ -244,7 +246,7 @@ class AFD(LightningModule):
         h, last = self.hparams, {}
 
         def disc_unit(d_step: int):  # one discriminator step per unit; the last step's loss and accuracy are logged
-            loss_d, acc = self.discriminator_loss(teacher, student, cond_t, cond_s, salt=100 + d_step)
+            loss_d, acc = self.discriminator_loss(teacher, student, cond_t, cond_s, salt=100 + d_step, indices=indices)
             last.update(loss=loss_d.detach(), acc=acc)
             return loss_d, {}, 1
 

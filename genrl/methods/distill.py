@@ -32,6 +32,9 @@ __all__ = ["CAUSAL_INTERFACE", "ScoreRole", "causal_samples", "causal_videos", "
 #: velocity against it, and the context pass that commits a finished chunk.
 CAUSAL_INTERFACE = ("init_cache", "velocity_chunk", "commit")
 
+# random streams of the paired instance noise (:func:`paired_instance_noise`)
+_STREAM_PAIR_SIGMA, _STREAM_PAIR_TEACHER, _STREAM_PAIR_STUDENT = 41, 42, 43
+
 
 def configure_student(method: LightningModule, build=build_student):
     """The ``configure_model`` prologue of a causal-student method (ODE init, DMD, AFD): build
@@ -149,20 +152,20 @@ def dmd_noised(x: torch.Tensor, indices: torch.Tensor, seed: int, stream: int, s
 
 def discriminator_loss(discriminator: nn.Module, teacher: torch.Tensor, student: torch.Tensor, cond_t: Conditioning,
                        cond_s: Conditioning, samples_per_prompt: int, r1_weight: float = 0.0, r2_weight: float = 0.0,
-                       noise_max: float = 0.0, seed: int = 0, frame_dim: int = 1):
+                       noise_max: float = 0.0, seed: int = 0, frame_dim: int = 1, indices: torch.Tensor | None = None):
     """Bradley-Terry loss of a prompt-paired discriminator (AFD): softplus(-(D(y_b) - D(x_bk))) over teacher clips y
     [B, *latent] each repeated for its K = ``samples_per_prompt`` student samples x [B K, *latent]
     (:func:`genrl.flow.nft.bt_loss`), + ``r1_weight`` R1 on the teacher + ``r2_weight`` R2 on the students (gradient
     penalties, Mescheder et al. 2018), on inputs with the paired instance noise of :func:`paired_instance_noise`
-    (``noise_max`` > 0, drawn from ``seed``). ``discriminator.score(latents, cond, sigma=, frame_dim=,
-    double_backward=)`` -> [N].
+    (``noise_max`` > 0, addressed by ``seed`` and the teacher clips' global ``indices``). ``discriminator.score(latents,
+    cond, sigma=, frame_dim=, double_backward=)`` -> [N].
 
     Returns:
         (0-d loss with graph in the discriminator, detached accuracy: the fraction of pairs with D(y) > D(x)).
     """
     use_r1, use_r2 = r1_weight > 0, r2_weight > 0
     sig_t, teacher, sig_s, student = paired_instance_noise(teacher, student, samples_per_prompt, noise_max, seed,
-                                                           frame_dim)
+                                                           frame_dim, indices)
     y = teacher.detach().requires_grad_(use_r1)
     x = student.detach().requires_grad_(use_r2)
     s_y = discriminator.score(y, cond_t, sigma=sig_t, frame_dim=frame_dim, double_backward=use_r1 or None)
@@ -190,23 +193,27 @@ def discriminator_advantages(module: LightningModule, discriminator: nn.Module, 
 
 
 def paired_instance_noise(teacher: torch.Tensor, student: torch.Tensor, samples_per_prompt: int, max_sigma: float,
-                          seed: int, frame_dim: int = 1):
+                          seed: int, frame_dim: int = 1, indices: torch.Tensor | None = None):
     """Instance noise for a prompt-paired discriminator (teacher clip b is compared with its K student samples):
-    sigma_b ~ U[0, max_sigma] per teacher clip, shared by its K students, fresh Gaussian noise per clip, inputs noised
-    as x_sigma = (1 - sigma) x + sigma eps. All drawn from one CPU generator seeded with ``seed``.
+    sigma_b ~ U[0, max_sigma] per teacher clip, shared by its K students, fresh Gaussian noise per clip and per student
+    sample, inputs noised as x_sigma = (1 - sigma) x + sigma eps. Addressed (docs/architecture.md, Seeds and noise
+    addressing): clip b's sigma and noise by (seed, indices[b]), its students' noises by (seed, indices[b] K + j), each
+    on its own stream, so a clip's draws do not depend on the batch (or rank) it is in.
 
     Args:
         teacher: [B, *latent]; student: [B * K, *latent] (teacher b's samples at rows b K .. b K + K - 1).
+        indices: the teacher clips' global ids [B] (default 0..B-1).
     Returns:
         ``(sigma_teacher [B], noised teacher, sigma_student [B * K], noised student)``; with ``max_sigma <= 0`` the
         clean inputs and None sigmas.
     """
     if max_sigma <= 0:
         return None, teacher, None, student
-    g = torch.Generator().manual_seed(seed)
-    sig_t = (torch.rand(teacher.shape[0], generator=g) * max_sigma).to(teacher.device)
-    eps_t = torch.randn(teacher.shape, generator=g).to(teacher.device)
-    eps_s = torch.randn(student.shape, generator=g).to(student.device)
+    idx = torch.arange(teacher.shape[0]) if indices is None else torch.as_tensor(indices).cpu().long().reshape(-1)
+    s_idx = (idx[:, None] * samples_per_prompt + torch.arange(samples_per_prompt)[None]).flatten()
+    sig_t = (rand_per_sample((), seed, idx, stream=_STREAM_PAIR_SIGMA) * max_sigma).to(teacher.device)
+    eps_t = randn_per_sample(teacher.shape[1:], seed, idx, stream=_STREAM_PAIR_TEACHER, device=teacher.device)
+    eps_s = randn_per_sample(student.shape[1:], seed, s_idx, stream=_STREAM_PAIR_STUDENT, device=student.device)
     sig_s = sig_t.repeat_interleave(samples_per_prompt)
     return (sig_t, add_noise(teacher, eps_t, sig_t, frame_dim=frame_dim), sig_s,
             add_noise(student, eps_s, sig_s, frame_dim=frame_dim))
