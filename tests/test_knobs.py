@@ -212,6 +212,19 @@ def test_validation_sampler_carries_the_rollouts_shift_cfg_and_micro_batch():
     torch.testing.assert_close(val.sigmas(), sigma_schedule(20, shift=3.5), rtol=0, atol=0)
 
 
+def test_validation_sampler_carries_the_null_prompt_and_a_same_length_schedule():
+    """ode_validation_config: the rollout's null prompt (the CFG unconditional branch) and its explicit sigma schedule
+    reach validation; a schedule of another step count cannot apply, so the shift's schedule is used then."""
+    sched = [1.0, 0.6, 0.3, 0.0]
+    base = RolloutConfig(num_steps=3, cfg_scale=3.0, null_prompt="blurry", schedule=sched)
+    val = ode_validation_config(base)
+    assert val.null_prompt == "blurry" and val.schedule == sched
+    torch.testing.assert_close(val.sigmas(), torch.tensor(sched, dtype=F64), rtol=0, atol=0)
+    longer = ode_validation_config(base, num_steps=5)
+    assert longer.null_prompt == "blurry" and longer.schedule is None
+    torch.testing.assert_close(longer.sigmas(), sigma_schedule(5, shift=1.0), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------- shift
 def _shifted(n: int, s: float) -> torch.Tensor:
     grid = torch.tensor([1.0 - k / n for k in range(n + 1)], dtype=F64)
@@ -662,3 +675,9 @@ def test_forward_rl_awm_weighting_and_clip_range_reach_the_ratio(weighting):
         assert e is None or float(clipped.mean()) > float((-a * ratio).mean()) + 1e-3
         frac = 0.0 if e is None else float(((ratio - 1).abs() > e).double().mean())
         assert float(stats["clip_frac"]) == frac
+
+
+def test_lora_empty_target_list_is_an_error_not_the_default():
+    """LoraSpec(target_modules=[]) would adapt nothing: a clear error, not a silent fall-back to the default targets."""
+    with pytest.raises(ValueError, match="target_modules is an empty list"):
+        LoraSpec(target_modules=[])

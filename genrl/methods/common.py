@@ -178,9 +178,13 @@ def configure_policy_optimizer(method: LightningModule):
 
 def ode_validation_config(rollout: RolloutConfig, num_steps: int | None = None) -> RolloutConfig:
     """The default validation sampler of a flat-rollout method: the deterministic ODE with the rollout's shift, CFG
-    scale and micro-batch, ``num_steps`` steps (default: the rollout's)."""
-    return RolloutConfig(kernel="ode", num_steps=num_steps or rollout.num_steps, shift=rollout.shift,
-                         cfg_scale=rollout.cfg_scale, micro_batch_size=rollout.micro_batch_size)
+    scale, null prompt and micro-batch, ``num_steps`` steps (default: the rollout's); the rollout's explicit sigma
+    ``schedule`` too when the step count is the rollout's (a schedule of another length cannot apply: the shift's
+    schedule is used then)."""
+    steps = num_steps or rollout.num_steps
+    return RolloutConfig(kernel="ode", num_steps=steps, shift=rollout.shift, cfg_scale=rollout.cfg_scale,
+                         micro_batch_size=rollout.micro_batch_size, null_prompt=rollout.null_prompt,
+                         schedule=rollout.schedule if steps == rollout.num_steps else None)
 
 
 def check_finite(loss: torch.Tensor, role: str, iteration: int, hint: str = "") -> None:

@@ -26,12 +26,19 @@ class LoraSpec:
     target_modules: list[str] | None = None
     init_lora_weights: str | bool = "gaussian"
 
+    def __post_init__(self) -> None:
+        if self.target_modules is not None and len(self.target_modules) == 0:
+            raise ValueError("lora.target_modules is an empty list, which would adapt nothing; leave it unset (null) "
+                             "for the family's attention projections, or name the modules")
+
     def add_to(self, generator) -> None:
         """Add this adapter to ``generator.transformer`` (peft); the adapter weights are kept in float32
         whatever the base weights' dtype (diffusers' cast_training_params practice)."""
         from peft import LoraConfig
 
-        targets = self.target_modules or list(getattr(generator, "lora_target_modules", DIT_LORA_TARGETS))
+        targets = self.target_modules
+        if targets is None:
+            targets = list(getattr(generator, "lora_target_modules", DIT_LORA_TARGETS))
         generator.transformer.add_adapter(
             LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(targets),
                        init_lora_weights=self.init_lora_weights)
