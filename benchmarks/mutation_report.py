@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail on an unaccepted survivor in flow / rollout")
     parser.add_argument("--json", type=Path, help="write the counts here")
     parser.add_argument("--list", action="store_true", help="print every unaccepted survivor")
+    parser.add_argument("--diffs", action="store_true", help="with --list: each survivor's diff (mutmut show)")
+    parser.add_argument("--only", default="", help="with --list: only survivors whose file starts with this")
     args = parser.parse_args(argv)
 
     results = load_results(args.mutants)
@@ -105,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     print("score = (killed + timeout) / (checked mutants - accepted); accepted = survivors listed with a reason")
     strict = [u for u in unaccepted if u[0].startswith(STRICT)]
     if args.list:
+        diff = _differ(args.mutants.parent) if args.diffs else None
         for source, name, status in unaccepted:
-            print(f"  {status:9s} {name}")
+            if source.startswith(args.only):
+                print(f"  {status:9s} {name}")
+                if diff is not None:
+                    print("\n".join(f"      {d}" for d in diff(name, source)))
     print(f"unaccepted survivors: {len(unaccepted)} ({len(strict)} in genrl/flow + genrl/rollout); "
           f"stale accepted entries: {len(stale)}; forbidden reasons: {len(bad_reasons)}")
     for n in stale:
@@ -120,6 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.check and (strict or bad_reasons):
         return 1
     return 0
+
+
+def _differ(root: Path):
+    """``diff(name, source) -> [changed lines]`` through mutmut's own diff (run from the mutated checkout)."""
+    import os
+
+    os.chdir(root)
+    from mutmut.__main__ import get_diff_for_mutant
+
+    def diff(name: str, source: str) -> list[str]:
+        text = get_diff_for_mutant(name, path=Path(source))
+        return [ln for ln in text.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+
+    return diff
 
 
 def score(c: Counter) -> float:
