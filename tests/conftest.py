@@ -69,3 +69,20 @@ def tiny_policy(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("tiny_policy")
     dit.save_pretrained(folder)
     return str(folder)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under mutation testing (mutmut sets MUTANT_UNDER_TEST to a mutant's name), run the covering tests fastest
+    first, by the durations mutmut recorded (``mutants/mutmut-stats.json``): pytest stops at the first failure, so a
+    mutant a unit test kills no longer waits for the end-to-end tests that also cover it. A normal run is unchanged."""
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "")
+    if "__mutmut_" not in mutant:
+        return
+    import json
+    from pathlib import Path
+
+    stats = Path("mutmut-stats.json")
+    if not stats.exists():
+        return
+    durations = json.loads(stats.read_text()).get("duration_by_test", {})
+    items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
