@@ -124,3 +124,29 @@ def test_gpu_accelerator_without_cuda_fails_before_the_model_with_the_fix(capsys
     lines = _first_lines(capsys, monkeypatch, ["fit", "--config", QUICK, "--trainer.accelerator=gpu"])
     assert "trainer.accelerator=gpu" in lines[0] and "--trainer.accelerator=cpu" in lines[0]
     assert len(lines) <= 3
+
+
+def test_interrupt_mid_step_names_the_newest_earlier_checkpoint(tmp_path):
+    """Interrupted mid-step: the message names the newest (by mtime) last*.ckpt and how to resume it."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    argv = ["fit", "--config", "a.yaml", "--ckpt_path", "x.ckpt"]
+    cb = InterruptCheckpoint(argv=argv)
+    folder = tmp_path / "ckpts"
+    with_mc = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=folder)], default_root_dir=str(tmp_path),
+                              logger=None)
+    no_mc = SimpleNamespace(checkpoint_callbacks=[], default_root_dir=str(folder), logger=None)
+    none = "No earlier checkpoint exists: a rerun starts from the beginning."
+    assert cb._earlier(with_mc) == none  # no folder yet
+    folder.mkdir()
+    (folder / "epoch=3.ckpt").write_text("x")
+    assert cb._earlier(with_mc) == none  # not a last*.ckpt
+    for name, mtime in (("last-a.ckpt", 300), ("last.ckpt", 200), ("last-v1.ckpt", 100)):
+        (folder / name).write_text("x")
+        os.utime(folder / name, (mtime, mtime))
+    newest = folder / "last-a.ckpt"  # neither first nor last by name
+    head = f"Resume from the newest earlier checkpoint ({newest}) with:\n  "
+    assert cb._earlier(with_mc) == head + resume_command(argv, ckpt="last")  # `--ckpt_path last` finds it
+    assert cb._earlier(no_mc) == head + resume_command(argv, ckpt=str(newest))  # named by its path

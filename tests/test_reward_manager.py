@@ -393,3 +393,112 @@ def test_bad_config_errors():
         mgr(torch.rand(2, 1, 3, 4, 4), ["a", "b", "c"])
     with pytest.raises(ValueError, match="B, T, C, H, W"):
         mgr(torch.rand(2, 3, 4, 4), ["a", "b"])
+
+
+# ---------------------------------------------------------------------------------------------- by-hand results
+def _result(rewards: dict[str, list[float]], valid: list[bool], weights: dict[str, float], **kw) -> RewardResult:
+    r = {k: torch.tensor(v, dtype=torch.float32) for k, v in rewards.items()}
+    masks = {k: torch.isfinite(v) for k, v in r.items()}
+    return RewardResult(components={f"{k}/reward": v for k, v in r.items()}, rewards=r, reward_valid=masks,
+                        valid=torch.tensor(valid, dtype=torch.bool), total=torch.zeros(len(valid)), weights=weights,
+                        **kw)
+
+
+def test_per_reward_advantages_pass_std_eps_ddof_through():
+    """Non-default std / eps / ddof reach every reward's group advantages (the method and the function alike)."""
+    res = _result({"a": [1.0, 2.0, 4.0, 0.5, 3.0, 3.5]}, [True] * 6, {"a": 2.0})
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    r = res.rewards["a"].double()
+    hand = torch.empty(6, dtype=torch.float64)
+    for gi in (0, 1):
+        sel = groups == gi
+        hand[sel] = r[sel] - r[sel].mean()
+    glob = r.std(unbiased=True)  # ddof 1 over every valid sample
+    expected = 2.0 * hand / (glob + 0.3)
+    mgr = RewardManager([{"name": "test_mgr_const"}])
+    for fn in (per_reward_advantages, mgr.per_reward_advantages):
+        adv = fn(res, groups, std="global", eps=0.3, ddof=1)
+        assert torch.allclose(adv.double(), expected, atol=1e-6)
+        assert torch.allclose(fn(res, groups, std="none").double(), 2.0 * hand, atol=1e-6)
+
+
+def test_manager_per_reward_advantages_defaults():
+    """The method's defaults are the function's: std "group", eps 1e-4, ddof 0, a plain tensor (no details)."""
+    res = _result({"a": [1.0, 1.001, 1.003, 0.5, 0.5004, 0.5001]}, [True] * 6, {"a": 1.0})
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    out = RewardManager([{"name": "test_mgr_const"}]).per_reward_advantages(res, groups)
+    assert isinstance(out, torch.Tensor)
+    r = res.rewards["a"].double()
+    hand = torch.empty(6, dtype=torch.float64)
+    for gi in (0, 1):
+        sel = groups == gi
+        hand[sel] = (r[sel] - r[sel].mean()) / (r[sel].std(unbiased=False) + 1e-4)
+    assert torch.allclose(out.double(), hand, atol=1e-4)
+
+
+def test_per_reward_advantages_group_id_types():
+    """Float group ids are refused; an empty batch with list ids gives an empty float32 tensor (int64 indices)."""
+    res = _result({"a": [1.0, 2.0, 3.0, 4.0]}, [True] * 4, {"a": 1.0})
+    with pytest.raises(TypeError, match="torch.float32"):
+        per_reward_advantages(res, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    empty = _result({"a": []}, [], {"a": 1.0})
+    out = per_reward_advantages(empty, [])
+    assert out.dtype == torch.float32 and out.shape == (0,)
+
+
+def test_per_reward_advantages_are_float32_under_a_float64_default_dtype():
+    """The advantages are float32 as documented, whatever torch's default dtype."""
+    res = _result({"a": [1.0, 2.0, 4.0, 0.5]}, [True] * 4, {"a": 0.5})
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = per_reward_advantages(res, [0, 0, 1, 1])
+    finally:
+        torch.set_default_dtype(before)
+    assert out.dtype == torch.float32
+
+
+def test_zero_std_groups_detail_uses_samples_valid_for_the_whole_result():
+    """zero_std_groups counts a group by its samples valid for the whole result (and finite for that reward)."""
+    nan = float("nan")
+    # sample 1 is invalid for "a" (NaN), hence for the result; "b" is finite there but must not count
+    res = _result({"a": [1.0, nan, 1.0, 2.0, 3.0, 5.0], "b": [7.0, 9.0, 7.0, 1.0, 2.0, 4.0]},
+                  [True, False, True, True, True, True], {"a": 1.0, "b": 1.0})
+    adv, per, details = per_reward_advantages(res, torch.tensor([0, 0, 0, 1, 1, 1]), return_details=True)
+    assert details == {"a/zero_std_groups": 0.5, "b/zero_std_groups": 0.5}
+    assert torch.equal(per["a"][:3], torch.zeros(3)) and torch.equal(per["b"][:3], torch.zeros(3))
+
+
+def test_map_tensors_maps_every_tensor_and_copies_the_rest():
+    """map_tensors applies fn to components, rewards, masks, valid and total and keeps every other field."""
+    res = _result({"a": [1.0, 2.0]}, [True, False], {"a": 3.0}, combine="advantage_sum", errors={"a": 2},
+                  nan_rewards={"a": 1}, stats={"a/running_mean": 0.5})
+    res.total = torch.tensor([4.0, float("nan")])
+    out = res.map_tensors(lambda t: torch.cat([t, t.flip(0)]))
+    assert torch.equal(out.components["a/reward"], torch.tensor([1.0, 2.0, 2.0, 1.0]))
+    assert torch.equal(out.rewards["a"], torch.tensor([1.0, 2.0, 2.0, 1.0]))
+    assert torch.equal(out.reward_valid["a"], torch.ones(4, dtype=torch.bool))
+    assert out.valid.tolist() == [True, False, False, True]
+    assert torch.equal(out.total.nan_to_num(-1.0), torch.tensor([4.0, -1.0, -1.0, 4.0]))
+    assert out.weights == {"a": 3.0} and out.combine == "advantage_sum"
+    assert out.errors == {"a": 2} and out.nan_rewards == {"a": 1} and out.stats == {"a/running_mean": 0.5}
+
+
+def test_running_stats_count_a_batch_of_one():
+    """A single valid sample updates the z-score statistics (count 1, mean = that reward)."""
+    mgr = RewardManager([{"name": "test_mgr_const", "kwargs": {"value": 0.75}}], combine="zscore_sum")
+    mgr(torch.rand(1, 1, 3, 4, 4), ["p"])
+    assert mgr.running_stats()["test_mgr_const"] == (1.0, 0.75, 0.0)
+
+
+def test_to_moves_every_model_and_repr():
+    """to(device) moves each built model in place; repr lists rewards with weights and the settings."""
+    mgr = RewardManager([{"name": "test_mgr_param", "weight": 2.0}, {"name": "test_mgr_const", "weight": -0.5}],
+                        batch_size=3)
+    assert repr(mgr) == ("RewardManager([test_mgr_param(w=2), test_mgr_const(w=-0.5)], combine='weighted_sum', "
+                         "batch_size=3, on_error='raise', device=None, built=False)")
+    mgr.build()
+    model = mgr.models["test_mgr_param"]
+    assert mgr.to("meta") is mgr
+    assert mgr.models["test_mgr_param"] is model and model.w.device.type == "meta"
+    assert repr(mgr).endswith("device=meta, built=True)")

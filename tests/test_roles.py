@@ -223,3 +223,38 @@ def test_a_planner_is_a_frozen_role():
     planner = owner.roles.frozen("planner", nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10)))
     assert owner.roles.shardable()["planner"] is planner and not any(p.requires_grad for p in planner.parameters())
     assert set(owner.state_dict()) == {"generator.transformer.weight", "generator.transformer.bias"}
+
+
+def test_shardable_gives_transformers_and_skips_lagged_copies():
+    """shardable() maps a generator to its transformer, skips lagged copies and still lists the roles after them."""
+    net = nn.Linear(3, 3)
+    owner = _Owner()
+    owner.roles.trainable("generator", _Gen(net))
+    owner.roles.lagged("old_policy", net)
+    teacher = owner.roles.frozen("teacher", nn.Linear(3, 3))
+    critic = owner.roles.trainable("critic", nn.Linear(3, 2))
+    out = owner.roles.shardable()
+    assert list(out) == ["generator", "teacher", "critic"]
+    assert out["generator"] is net and out["teacher"] is teacher and out["critic"] is critic
+
+
+class _Affine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x, *, shift: float = 0.0):
+        return self.lin(x) + shift
+
+
+def test_rollout_copy_forwards_arguments_and_stays_frozen_after_a_quantized_sync():
+    """A rollout copy computes module(*args, **kwargs) and holds no trainable tensor, also when rebuilt by sync."""
+    torch.manual_seed(0)
+    live = _Affine()
+    ro = RolloutCopy(live, quantize=lambda m: m)
+    assert not any(p.requires_grad for p in ro.parameters())
+    x = torch.randn(4, 2)
+    with torch.no_grad():
+        assert torch.equal(ro(x, shift=2.5), live(x) + 2.5)
+    ro.sync(live)
+    assert not any(p.requires_grad for p in ro.parameters())
