@@ -409,7 +409,7 @@ class _LogCausal:
         cache.append([(key, key)], torch.arange(cache.end_frame, cache.end_frame + n), 1)
 
 
-SW_FRAME = (2, 2, 2)
+SW_FRAME = (3, 4, 5)  # no two sizes alike, nor like a chunk length: a dropped or swapped axis changes the shape
 OLD, NEW = ["a red circle", "a blue square"], ["a green triangle moving up", "a cyan circle"]
 
 
