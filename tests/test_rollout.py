@@ -92,3 +92,13 @@ def test_bad_inputs(gen):
     traj = rollout(gen, PROMPTS[:2], SHAPE, seed=0, config=RolloutConfig(num_steps=3))
     with pytest.raises(ValueError, match="ODE step"):
         transition_log_prob(gen, traj, 2)
+
+
+def test_sde_mask_ode_kernel_and_default_rollout_id():
+    """An ODE kernel has no stochastic step whatever sde_steps says; rollout_id defaults to 0."""
+    assert not sde_mask(RolloutConfig(num_steps=5, kernel="ode"), 0).any()
+    assert not sde_mask(RolloutConfig(num_steps=5, kernel="ode", sde_steps="window", num_sde_steps=2), 0).any()
+    cfg = RolloutConfig(num_steps=10, sde_steps="window", num_sde_steps=2)
+    masks = {seed: sde_mask(cfg, seed) for seed in range(6)}
+    assert all(torch.equal(m, sde_mask(cfg, s, 0)) for s, m in masks.items())
+    assert any(not torch.equal(m, sde_mask(cfg, s, 1)) for s, m in masks.items())  # the default is 0, not 1
