@@ -156,3 +156,66 @@ def test_single_split_at_step_zero_is_flat_grpo(gen):
         sel = edges["step"] == k
         tree_losses.append(clipped_policy_loss(lp_tree, ro.log_probs[k + 1], adv_edges[sel], clip_range=1e-3)[0])
     assert torch.equal(torch.cat(flat_losses), torch.cat(tree_losses))
+
+
+class _RowStub:
+    """A per-row velocity v = 0.5 x + c(prompt) on a declared device; records the device of every input it sees."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.seen: list[torch.device] = []
+
+    def encode_prompts(self, prompts):
+        from genrl.models.text_encoder import Conditioning
+
+        h = torch.stack([torch.full((2, 4), float(len(p)) / 10) for p in prompts])
+        return Conditioning(h, torch.ones(len(prompts), 2, dtype=torch.bool), list(prompts))
+
+    def velocity(self, x, sigma, cond, **kwargs):
+        self.seen += [x.device, sigma.device]
+        c = cond.hidden_states[:, 0, 0].to(x.device).reshape(-1, *([1] * (x.ndim - 1)))
+        return 0.5 * x + c
+
+
+def test_regenerate_leaf_flow_grpo_uses_the_schedules_sigma_at_one():
+    """regenerate_leaf under the flow_grpo kernel (sigma_0 = 1 needs sigma_at_one) equals its leaf of the tree."""
+    config = RolloutConfig(num_steps=3, kernel="flow_grpo", noise_level=0.7, micro_batch_size=2)
+    tree = TreeConfig(split_steps=[0, 1], split_noise_scale=2.0)
+    ro = tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree)
+    assert ro.sigmas[0] == 1.0
+    for leaf in (1, 6):
+        t = int(ro.tree[-1][leaf])
+        alone = regenerate_leaf(_RowStub(), PROMPTS[t], (2, 3), 4, int(ro.tree_indices[t]), int(ro.codes[-1][leaf]),
+                                config, tree)
+        assert torch.equal(alone, ro.leaves[leaf])
+
+
+def test_regenerate_leaf_runs_on_the_generators_device(monkeypatch):
+    """regenerate_leaf feeds the network its initial noise and its sigma on the generator's device (a meta device
+    here: the spy stops the chain at the first network call, before any value is needed)."""
+    import genrl.rollout.tree as tree_mod
+
+    class _Stop(Exception):
+        pass
+
+    seen = []
+
+    def spy(generator, x, sigma, *args):
+        seen.append((x.device.type, sigma.device.type, tuple(x.shape), tuple(sigma.shape)))
+        raise _Stop
+
+    monkeypatch.setattr(tree_mod, "guided_velocity", spy)
+    config = RolloutConfig(num_steps=2, kernel="dance_grpo", noise_level=0.3, micro_batch_size=2)
+    with pytest.raises(_Stop):
+        regenerate_leaf(_RowStub("meta"), PROMPTS[0], (2, 3), 1, 0, 3, config, TreeConfig(split_steps=[0, 1]))
+    assert seen == [("meta", "meta", (1, 2, 3), (1,))]
+
+
+def test_regenerate_leaf_path_codes_are_exact_integers_in_a_wide_tree():
+    """Leaf path codes above 2^53 are split into per-depth codes exactly (integer division): two sibling leaves of a
+    2^56-leaf tree differ at their last split (float division would round both to 2^56)."""
+    config = RolloutConfig(num_steps=2, kernel="dance_grpo", noise_level=0.3, micro_batch_size=1)
+    tree = TreeConfig(split_steps=[0, 1], branch_factor=2**28, max_frontier=2**60)
+    a = regenerate_leaf(_RowStub(), PROMPTS[0], (2, 3), 1, 0, 2**56 - 1, config, tree)
+    b = regenerate_leaf(_RowStub(), PROMPTS[0], (2, 3), 1, 0, 2**56 - 2, config, tree)
+    assert not torch.equal(a, b)

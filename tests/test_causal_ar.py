@@ -13,7 +13,9 @@ from genrl.models.causal import CausalConfig, KVCache, frame_visibility
 from genrl.models.dit import VideoDiT
 from genrl.models.generator import DiTGenerator
 from genrl.models.text_encoder import Conditioning
+from genrl.noise import randn_per_sample
 from genrl.rollout.autoregressive import (
+    ARState,
     ChunkSchedule,
     ar_rollout,
     fork,
@@ -374,3 +376,140 @@ def test_teacher_forced_velocity_equals_block_causal_forward_on_clean_context():
     v = teacher_forced_velocity(gen, x0, x_t, sigma, cond, cfg)
     v.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in gen.transformer.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ switch / fork
+# A causal stub without a network: each commit is logged (start frame, x, sigma, prompts) and stores one token per
+# latent frame whose key is the committed frame's mean, so the cache's frames and contents can be read back exactly.
+
+
+class _LogCausal:
+    frame_dim = 1
+
+    def __init__(self, dtype=torch.float64) -> None:
+        self.device = torch.device("cpu")
+        self.transformer = torch.nn.Linear(1, 1).to(dtype)
+        self.commits: list[dict] = []
+
+    def encode_prompts(self, prompts):
+        h = torch.stack([torch.full((2, 4), float(len(p)) / 10, dtype=torch.float64) for p in prompts])
+        return Conditioning(h, torch.ones(len(prompts), 2, dtype=torch.bool), list(prompts))
+
+    def init_cache(self, batch_size, causal):
+        return KVCache(causal, batch_size)
+
+    def velocity_chunk(self, x, sigma, cond, cache):
+        return 0.5 * x + cond.hidden_states[:, 0, 0].to(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+
+    def commit(self, x, sigma, cond, cache):
+        self.commits.append({"start": cache.end_frame, "x": x, "sigma": sigma, "prompts": list(cond.prompts)})
+        n = x.shape[1]
+        meta = x.device.type == "meta"
+        key = torch.zeros(x.shape[0], 1, n, 1) if meta else x.float().mean((2, 3, 4))[:, None, :, None]
+        cache.append([(key, key)], torch.arange(cache.end_frame, cache.end_frame + n), 1)
+
+
+SW_FRAME = (3, 4, 5)  # no two sizes alike, nor like a chunk length: a dropped or swapped axis changes the shape
+OLD, NEW = ["a red circle", "a blue square"], ["a green triangle moving up", "a cyan circle"]
+
+
+def _switched(causal: CausalConfig, chunks: int, *args, **kw):
+    """Roll ``chunks`` chunks under OLD, then switch_prompt(NEW, *args, **kw); returns (gen, state, commits of the
+    switch as (start frame, number of frames))."""
+    gen = _LogCausal()
+    sch = ChunkSchedule(causal=causal, timesteps=[1000, 500], shift=1.0)
+    state = ar_rollout(gen, gen.encode_prompts(OLD), chunks, SW_FRAME, sch, seed=2).state
+    gen.commits.clear()
+    switch_prompt(gen, state, gen.encode_prompts(NEW), *args, **kw)
+    return gen, state, [(c["start"], c["x"].shape[1]) for c in gen.commits]
+
+
+def test_switch_prompt_default_is_a_recache_keeping_the_sink():
+    """switch_prompt's defaults (recache, keep_sink, no context noise): the window's chunks are re-committed clean
+    under the new prompt, in the latents' dtype; the sink keeps its old keys; segment counts every switch."""
+    gen, state, log = _switched(CausalConfig(2, local_window=4, sink_frames=2), 4)
+    assert log == [(4, 2), (6, 2)]  # chunk 1 ends exactly at the window's start (frame 4): not re-committed
+    for c in gen.commits:
+        assert c["prompts"] == NEW and torch.equal(c["x"], state.latents[:, c["start"]:c["start"] + 2])
+        assert c["sigma"].dtype == torch.float64 and torch.equal(c["sigma"], torch.zeros(2, dtype=torch.float64))
+    cache = state.cache
+    assert cache.frames.tolist() == [0, 1, 6, 7] and cache.end_frame == 8 and cache.cross == {}
+    assert torch.equal(cache.keys[0][:, 0, :2, 0], state.latents[:, :2].float().mean((2, 3, 4)))
+    assert state.segment == 1 and state.cond.prompts == NEW
+    keys = [k.clone() for k in cache.keys]
+    switch_prompt(gen, state, gen.encode_prompts(OLD), "swap")  # a swap never re-commits, latents or not
+    assert state.segment == 2 and len(gen.commits) == 2 and torch.equal(cache.keys[0], keys[0])
+    assert cache.frames.tolist() == [0, 1, 6, 7] and state.cond.prompts == OLD
+
+
+def test_switch_prompt_without_keep_sink_recommits_only_the_sink_chunks_and_the_window():
+    """keep_sink=False: the chunks starting inside the sink (chunk 0) and the window are re-committed; chunk 1,
+    starting at frame sink_frames, is neither."""
+    _, state, log = _switched(CausalConfig(2, local_window=4, sink_frames=2), 4, "recache", keep_sink=False)
+    assert log == [(0, 2), (4, 2), (6, 2)]
+    assert state.cache.frames.tolist() == [0, 1, 6, 7]
+
+
+def test_switch_prompt_recache_without_a_window_replaces_every_frame_once():
+    """No local window: every chunk is re-committed (first chunk of 1 frame included) and each frame is stored once,
+    the sink's old entries replaced, not duplicated."""
+    _, state, log = _switched(CausalConfig(2, first_chunk_size=1, sink_frames=3), 3)
+    assert log == [(0, 1), (1, 2), (3, 2)]
+    assert state.cache.frames.tolist() == [0, 1, 2, 3, 4]
+    _, state, log = _switched(CausalConfig(2, first_chunk_size=4, sink_frames=4), 2)
+    assert log == [(0, 4), (4, 2)]
+    assert state.cache.frames.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("chunks,expected", [(3, [(1, 2), (3, 2)]), (2, [(0, 1), (1, 2)])])
+def test_switch_prompt_window_start_with_a_short_first_chunk(chunks, expected):
+    """Window 4 with a first chunk of 1 frame: after 5 frames the window starts at frame 1 (chunk 0, ending there,
+    is left out); after 3 frames it starts at 0 and takes chunk 0."""
+    _, _, log = _switched(CausalConfig(2, first_chunk_size=1, local_window=4, sink_frames=1), chunks)
+    assert log == expected
+
+
+def test_switch_prompt_context_noise_renoises_each_recommitted_chunk():
+    """A recache at context_noise s commits (1 - s) x + s eps, eps the chunk's noise at step 10000, at sigma s."""
+    gen, state, log = _switched(CausalConfig(2, local_window=4, sink_frames=2), 4, "recache", context_noise=0.25)
+    assert log == [(4, 2), (6, 2)]
+    for c, k in zip(gen.commits, (2, 3)):
+        eps = randn_per_sample((2, *SW_FRAME), 2, [0, 1], step=10_000, stream=1 + k).double()
+        ref = 0.75 * state.latents[:, 2 * k:2 * k + 2] + 0.25 * eps
+        torch.testing.assert_close(c["x"], ref, atol=1e-12, rtol=0)
+        assert torch.equal(c["sigma"], torch.full((2,), 0.25, dtype=torch.float64))
+
+
+def test_switch_prompt_recommits_on_the_latents_device_and_dtype():
+    """The re-committed frames, their context noise and sigma are on the latents' device (meta here) and keep their
+    dtype (bfloat16)."""
+    causal = CausalConfig(2)
+    gen = _LogCausal()
+    cache = KVCache(causal, 2)
+    for _ in range(2):
+        gen.commit(torch.zeros(2, 2, *SW_FRAME), torch.zeros(2), gen.encode_prompts(OLD), cache)
+    gen.commits.clear()
+    state = ARState(cache=cache, cond=gen.encode_prompts(OLD), chunk_index=2, seed=0, indices=torch.arange(2),
+                    latents=torch.empty(2, 4, *SW_FRAME, dtype=torch.bfloat16, device="meta"))
+    switch_prompt(gen, state, gen.encode_prompts(NEW), context_noise=0.5)
+    assert [(c["x"].device.type, c["x"].dtype, c["sigma"].device.type, c["sigma"].dtype) for c in gen.commits] == \
+        [("meta", torch.bfloat16, "meta", torch.bfloat16)] * 2
+
+
+def test_fork_copies_every_field():
+    """fork keeps the conditioning (mask, pooled), frame axis, segment and chunk index; no latents stay None; given
+    ids are int64, even for an empty batch."""
+    gen = _LogCausal()
+    cond = gen.encode_prompts(OLD)
+    cond.attention_mask[1, 1] = False
+    cond.pooled = torch.tensor([[1.5], [2.5]])
+    state = ARState(cache=KVCache(CausalConfig(2), 2), cond=cond, latents=None, chunk_index=3, seed=4,
+                    indices=torch.tensor([7, 8]), frame_dim=2, segment=5)
+    for f in fork(state, 2):
+        assert f.latents is None and f.frame_dim == 2 and f.segment == 5 and f.chunk_index == 3 and f.seed == 4
+        assert torch.equal(f.cond.attention_mask, cond.attention_mask) and torch.equal(f.cond.pooled, cond.pooled)
+        assert f.cond.pooled is not cond.pooled and f.cond.attention_mask is not cond.attention_mask
+    nobody = Conditioning(torch.zeros(0, 2, 4), torch.zeros(0, 2, dtype=torch.bool), [])
+    empty = ARState(cache=KVCache(CausalConfig(2), 0), cond=nobody, latents=None, chunk_index=0, seed=0,
+                    indices=torch.zeros(0, dtype=torch.long))
+    assert fork(empty, 1, indices=[[]])[0].indices.dtype == torch.long

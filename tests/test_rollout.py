@@ -92,3 +92,27 @@ def test_bad_inputs(gen):
     traj = rollout(gen, PROMPTS[:2], SHAPE, seed=0, config=RolloutConfig(num_steps=3))
     with pytest.raises(ValueError, match="ODE step"):
         transition_log_prob(gen, traj, 2)
+
+
+def test_sde_mask_ode_kernel_and_default_rollout_id():
+    """An ODE kernel has no stochastic step whatever sde_steps says; rollout_id defaults to 0."""
+    assert not sde_mask(RolloutConfig(num_steps=5, kernel="ode"), 0).any()
+    assert not sde_mask(RolloutConfig(num_steps=5, kernel="ode", sde_steps="window", num_sde_steps=2), 0).any()
+    cfg = RolloutConfig(num_steps=10, sde_steps="window", num_sde_steps=2)
+    masks = {seed: sde_mask(cfg, seed) for seed in range(6)}
+    assert all(torch.equal(m, sde_mask(cfg, s, 0)) for s, m in masks.items())
+    assert any(not torch.equal(m, sde_mask(cfg, s, 1)) for s, m in masks.items())  # the default is 0, not 1
+
+
+def test_sde_window_draw_address_is_pinned_and_a_tight_window_fits():
+    """The window start is U{window_start..end - n} drawn from mix_seed(seed, rollout_id, 0, 99) (pinned: a run's
+    windows stay reproducible across versions); a window exactly as long as its range is accepted."""
+    from genrl.noise import mix_seed
+
+    cfg = RolloutConfig(num_steps=12, sde_steps="window", num_sde_steps=2, window_start=1, window_end=11)
+    for seed, rid in [(0, 0), (3, 1), (7, 5), (11, 2)]:
+        g = torch.Generator().manual_seed(mix_seed(seed, rid, 0, 99))
+        k = int(torch.randint(1, 10, (1,), generator=g))
+        assert torch.nonzero(sde_mask(cfg, seed, rid)).flatten().tolist() == [k, k + 1]
+    tight = RolloutConfig(num_steps=6, sde_steps="window", num_sde_steps=2, window_start=2, window_end=4)
+    assert sde_mask(tight, 0).tolist() == [False, False, True, True, False, False]
