@@ -194,3 +194,43 @@ def test_diffusion_coefficient_input_checks():
     for bad in (float("inf"), -float("inf"), torch.tensor(float("inf"))):
         with pytest.raises(ValueError, match="noise_level must be a finite number >= 0"):
             diffusion_coefficient("dance_grpo", 0.5, bad)
+
+
+def test_gaussian_log_prob_float32_std_tensor_with_float64_sample_and_bad_std_shapes():
+    """A float32 std tensor is upcast before squaring / log when sample is float64; a std that does not fit raises."""
+    sample, mean = _randn(2, 5, seed=22) / 3.0, _randn(2, 5, seed=23) / 3.0
+    std = torch.tensor([[0.3137], [0.7071]], dtype=F32)
+    lp = gaussian_log_prob(sample, mean, std)
+    s64 = std.to(F64)
+    ref = (-((sample - mean) ** 2) / (2 * s64**2) - torch.log(s64) - HALF_LOG_2PI).mean(1)
+    assert lp.dtype == F64 and torch.allclose(lp, ref, atol=1e-12, rtol=0)
+    for bad in (torch.ones(3, 2, 5), torch.ones(2, 3)):
+        with pytest.raises(ValueError, match=r"std of shape .* does not broadcast to sample \(2, 5\)"):
+            gaussian_log_prob(sample, mean, bad)
+
+
+def test_sde_step_and_step_log_prob_pass_frame_dim_and_reduce_through():
+    """frame_dim reaches the per-frame sigmas (Wan layout) and reduce reaches the log-prob, in both functions."""
+    x, v, noise = _randn(*SHAPE, seed=24), _randn(*SHAPE, seed=25), _randn(*SHAPE, seed=26)
+    s = torch.tensor([[0.9, 0.6, 0.3], [0.8, 0.5, 0.2]], dtype=F64)
+    sn = s - 0.1
+    xw, vw, nw = (t.transpose(1, 2) for t in (x, v, noise))  # [B, C=4, T=3, H]
+    ref = sde_step("dance_grpo", x, v, s, sn, noise, 0.3, reduce="sum")
+    out = sde_step("dance_grpo", xw, vw, s, sn, nw, 0.3, frame_dim=2, reduce="sum")
+    assert torch.allclose(out.sample, ref.sample.transpose(1, 2), atol=1e-15, rtol=0)
+    assert torch.allclose(out.log_prob, ref.log_prob, atol=1e-12, rtol=0)
+    mean_lp = sde_step("dance_grpo", x, v, s, sn, noise, 0.3).log_prob
+    assert torch.allclose(ref.log_prob, x[0].numel() * mean_lp, atol=1e-12, rtol=0)
+    lp, mean, _ = step_log_prob("dance_grpo", xw, vw, s, sn, out.sample, 0.3, frame_dim=2, reduce="sum")
+    assert torch.equal(lp, out.log_prob) and torch.equal(mean, out.mean)
+
+
+def test_deterministic_sde_step_returns_mean_and_zero_std():
+    """The deterministic sde_step returns sample = mean = the Euler step and a zero std of the sigmas' shape."""
+    x, v = _randn(*SHAPE, seed=27), _randn(*SHAPE, seed=28)
+    s, sn = torch.tensor([0.5, 0.4], dtype=F64), 0.2
+    euler = _ref_mean_std("ode", x, v, s, sn, 0.0)[0]
+    for kind, level in KINDS:
+        out = sde_step(kind, x, v, s, sn, None, noise_level=0.0 if kind != "ode" else level)
+        assert torch.allclose(out.mean, euler, atol=1e-15, rtol=0) and torch.equal(out.sample, out.mean)
+        assert out.std.shape == (2, 1, 1, 1) and torch.equal(out.std, torch.zeros(2, 1, 1, 1, dtype=F64))
