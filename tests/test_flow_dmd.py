@@ -513,3 +513,20 @@ def test_dmd_cfg_per_frame_scale_on_frame_dim():
     cw, uw = cond.transpose(1, 2), uncond.transpose(1, 2)  # [B, C=4, T=6, H, W]
     out_w = dmd_cfg(cw, uw, s, frame_dim=2)
     assert torch.allclose(out_w, (cond + sb * (cond - uncond)).transpose(1, 2), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("wide", [0, 1, 2, None])
+def test_dmd_loss_dtype_follows_x_g_and_weight(wide):
+    """dmd_loss is 0.5 mean(w g^2) computed in float64, returned float64 iff x, g or weight is float64."""
+    x, g = _randn(*SHAPE, seed=60, dtype=torch.float32), _randn(*SHAPE, seed=61, dtype=torch.float32)
+    w = torch.tensor([0.25, 1.0 / 3.0], dtype=torch.float32)
+    ins = [x, g, w]
+    if wide is not None:
+        ins[wide] = ins[wide].to(F64) / 3.0
+    loss = dmd_loss(ins[0], ins[1], weight=ins[2])
+    ref = 0.5 * (ins[2].to(F64)[:, None, None, None, None] * ins[1].to(F64).square()).mean()
+    assert loss.dtype == (torch.float32 if wide is None else F64)
+    if wide is None:
+        assert torch.equal(loss, ref.to(torch.float32))
+    else:
+        assert torch.allclose(loss, ref, atol=1e-12, rtol=0)
