@@ -421,3 +421,112 @@ def test_masked_out_nan_latents_get_zero_gradient():
         loss = loss_fn(xg)
         (grad,) = torch.autograd.grad(loss, xg)
         assert torch.isfinite(loss) and torch.all(grad[~mask] == 0) and torch.isfinite(grad).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# dtypes (mixed inputs), messages that name the inputs, non-number scalars
+
+
+def _sid_reference(x: torch.Tensor, f: torch.Tensor, r: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    x, f, r = x.to(F64), f.to(F64), r.to(F64)
+    nrm = (x - r).abs().mean(dim=tuple(range(1, x.ndim)), keepdim=True)
+    return ((r - f) * ((r - x) - alpha * (r - f)) / nrm).mean()
+
+
+@pytest.mark.parametrize("wide", [0, 1, 2])
+def test_sid_loss_mixed_dtypes_keep_float64(wide: int):
+    """sid_loss runs in float64 and returns float64 when any one of x, x0_fake, x0_real is float64."""
+    ins = [_randn(*SHAPE, seed=20 + i, dtype=torch.float32) for i in range(3)]
+    ins[wide] = _randn(*SHAPE, seed=30) / 3.0  # float64 values that float32 cannot represent
+    loss = sid_loss(*ins, alpha=0.7)
+    assert loss.dtype == F64
+    assert torch.allclose(loss, _sid_reference(*ins, alpha=0.7), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sid_loss_low_precision_inputs_computed_in_float64_returned_float32(dtype: torch.dtype):
+    """sid_loss of float32 / bf16 inputs is the float64 value rounded once to float32."""
+    x, f, r = (_randn(*SHAPE, seed=40 + i, dtype=dtype) for i in range(3))
+    loss = sid_loss(x, f, r, alpha=0.7)
+    assert loss.dtype == torch.float32
+    assert torch.equal(loss, _sid_reference(x, f, r, alpha=0.7).to(torch.float32))
+
+
+@pytest.mark.parametrize("pred_wide", [True, False])
+def test_ode_regression_loss_mixed_dtypes_keep_float64(pred_wide: bool):
+    """ode_regression_loss is float64 (exactly) when either x0_pred or x0_target is float64."""
+    wide = _randn(*SHAPE, seed=50) / 3.0
+    narrow = _randn(*SHAPE, seed=51, dtype=torch.float32)
+    pred, target = (wide, narrow) if pred_wide else (narrow, wide)
+    mask = torch.tensor([[True, False, True, True, False, True], [False, True, True, True, True, True]])
+    m = mask[:, :, None, None, None].expand(SHAPE)
+    for mk, sel in ((None, torch.ones(SHAPE, dtype=torch.bool)), (mask, m)):
+        loss = ode_regression_loss(pred, target, mask=mk)
+        assert loss.dtype == F64
+        expected = (pred.to(F64) - target.to(F64)).square()[sel].mean()
+        assert torch.allclose(loss, expected, atol=1e-12, rtol=0)
+
+
+def test_ode_regression_loss_bf16_inputs_return_float32():
+    """ode_regression_loss of bf16 inputs runs in float32 and returns float32 (the documented step dtype)."""
+    pred, target = (_randn(*SHAPE, seed=s, dtype=torch.bfloat16) for s in (52, 53))
+    mask = torch.tensor([[True, False, True, True, False, True], [False, True, True, True, True, True]])
+    for mk in (None, mask):
+        loss = ode_regression_loss(pred, target, mask=mk)
+        assert loss.dtype == torch.float32
+        m = torch.ones(SHAPE, dtype=torch.bool) if mk is None else mk[:, :, None, None, None].expand(SHAPE)
+        expected = (pred.to(F64) - target.to(F64)).square()[m].mean()
+        assert torch.allclose(loss.to(F64), expected, atol=1e-6, rtol=0)
+
+
+def test_shape_errors_name_the_reference_input():
+    """Shape mismatches name the reference input and the mismatched one, with both shapes."""
+    x, f, r = _dmd_inputs()
+    with pytest.raises(ValueError, match=r"^x0_pred of shape \(2, 6, 4, 4, 4\) and x0_target of shape \(2, 3,"):
+        ode_regression_loss(x, r[:, :3])
+    with pytest.raises(ValueError, match=r"^x of shape \(2, 6, 4, 4, 4\) and x0_real of shape \(1, 6,"):
+        sid_loss(x, f, r[:1])
+    # a broadcastable x0_fake is refused too (it is not silently broadcast)
+    with pytest.raises(ValueError, match=r"^x of shape \(2, 6, 4, 4, 4\) and x0_fake of shape \(1, 6, 4, 4, 4\)"):
+        sid_loss(x, f[:1], r)
+
+
+@pytest.mark.parametrize("bad", [True, False, "3.0", None])
+def test_scale_conversions_and_sid_alpha_refuse_non_numbers(bad):
+    """A bool or a non-number scale / alpha is a ValueError naming the value, never taken as 0 / 1."""
+    x, f, r = _dmd_inputs()
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        reference_scale_to_w(bad)
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        w_to_reference_scale(bad)
+    with pytest.raises(ValueError, match=f"got {bad!r}"):
+        sid_loss(x, f, r, alpha=bad)
+
+
+def test_dmd_cfg_per_frame_scale_on_frame_dim():
+    """A [B, T] reference scale lands on frame_dim: dim 1 by default, dim 2 for Wan's [B, C, T, H, W]."""
+    cond, uncond = _randn(*SHAPE, seed=13), _randn(*SHAPE, seed=14)  # [B, T=6, C=4, H, W]
+    s = torch.linspace(0.0, 2.5, 12, dtype=F64).reshape(2, 6)
+    out = dmd_cfg(cond, uncond, s)
+    sb = s[:, :, None, None, None]
+    assert torch.allclose(out, cond + sb * (cond - uncond), atol=1e-12, rtol=0)
+    cw, uw = cond.transpose(1, 2), uncond.transpose(1, 2)  # [B, C=4, T=6, H, W]
+    out_w = dmd_cfg(cw, uw, s, frame_dim=2)
+    assert torch.allclose(out_w, (cond + sb * (cond - uncond)).transpose(1, 2), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("wide", [0, 1, 2, None])
+def test_dmd_loss_dtype_follows_x_g_and_weight(wide):
+    """dmd_loss is 0.5 mean(w g^2) computed in float64, returned float64 iff x, g or weight is float64."""
+    x, g = _randn(*SHAPE, seed=60, dtype=torch.float32), _randn(*SHAPE, seed=61, dtype=torch.float32)
+    w = torch.tensor([0.25, 1.0 / 3.0], dtype=torch.float32)
+    ins = [x, g, w]
+    if wide is not None:
+        ins[wide] = ins[wide].to(F64) / 3.0
+    loss = dmd_loss(ins[0], ins[1], weight=ins[2])
+    ref = 0.5 * (ins[2].to(F64)[:, None, None, None, None] * ins[1].to(F64).square()).mean()
+    assert loss.dtype == (torch.float32 if wide is None else F64)
+    if wide is None:
+        assert torch.equal(loss, ref.to(torch.float32))
+    else:
+        assert torch.allclose(loss, ref, atol=1e-12, rtol=0)
