@@ -234,3 +234,16 @@ def test_deterministic_sde_step_returns_mean_and_zero_std():
         out = sde_step(kind, x, v, s, sn, None, noise_level=0.0 if kind != "ode" else level)
         assert torch.allclose(out.mean, euler, atol=1e-15, rtol=0) and torch.equal(out.sample, out.mean)
         assert out.std.shape == (2, 1, 1, 1) and torch.equal(out.std, torch.zeros(2, 1, 1, 1, dtype=F64))
+
+
+def test_outputs_stay_on_the_latents_device():
+    """The tensors a deterministic step makes (its zero std and zero log-prob) live on the latents' device: checked on
+    the meta device, where a tensor made on the CPU by mistake shows."""
+    x = torch.zeros(2, 3, 4, 4, device="meta")
+    v = torch.zeros_like(x)
+    sig = torch.full((2,), 0.5, device="meta")
+    sig_next = torch.full((2,), 0.25, device="meta")
+    mean, std = step_mean_std("ode", x, v, sig, sig_next)
+    assert mean.device.type == "meta" and std.device.type == "meta"
+    out = sde_step("ode", x, v, sig, sig_next, noise=None)
+    assert out.std.device.type == "meta" and out.log_prob.device.type == "meta" and out.log_prob.shape == (2,)
