@@ -15,7 +15,7 @@ import torch
 import torch._dynamo  # noqa: F401  (the first meta-device op imports it: ~5 s; lightning imports it for the suite)
 
 from genrl.flow import RunningMeanStd, gaussian_kl, kl_penalty, normalize_rewards, velocity_kl
-from genrl.flow.forward_rl import advantage_weighted_fm_loss
+from genrl.flow.forward_rl import advantage_weighted_fm_loss, awm_loss
 from genrl.flow.nft import r1_penalty, r2_penalty
 
 F64, F32, F16 = torch.float64, torch.float32, torch.float16
@@ -308,3 +308,59 @@ def test_advantage_weighted_fm_loss_shape_error_names_v_and_u():
     """v and u of different shapes raise ValueError naming both ("v of shape ... and u of shape ...")."""
     with pytest.raises(ValueError, match=r"^v of shape \(2, 3\) and u of shape \(2, 4\)"):
         advantage_weighted_fm_loss(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2))
+
+
+# ================================================================================================ AWM loss
+
+
+def _masked_ell(v: torch.Tensor, u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    sq = (v - u) ** 2
+    return torch.stack([sq[i][mask[i]].mean() for i in range(v.shape[0])])
+
+
+def test_awm_loss_adv_clip_below_one_and_default_frame_dim():
+    """Uniform AWM with log p_old = 0 is -mean(clip(A, c) / c * exp(-l)), c = 0.5, a [B, T] mask on dim 1 by default."""
+    b, t = 3, 2
+    v, u = _randn(b, t, 3, 2, seed=40), _randn(b, t, 3, 2, seed=41)
+    mask = torch.tensor([[True, False], [False, True], [True, True]])
+    adv = torch.tensor([0.2, -1.0, 3.0], dtype=F64)
+    loss, stats = awm_loss(v, u, 0.5, adv, weighting="uniform", log_p_old=torch.zeros(b, dtype=F64), adv_clip=0.5,
+                           mask=mask)
+    a = torch.tensor([0.4, -1.0, 1.0], dtype=F64)
+    torch.testing.assert_close(loss, -(a * torch.exp(-_masked_ell(v, u, mask))).mean(), rtol=0, atol=1e-12)
+    assert float(stats["adv_abs_mean"]) == pytest.approx(0.8, abs=1e-12)
+
+
+@pytest.mark.parametrize("adv_clip", [0, 0.0, -1.0, float("nan"), True, "5", None])
+def test_awm_loss_rejects_bad_adv_clip(adv_clip):
+    """adv_clip must be a number > 0 (not bool, not NaN, not a string): ValueError naming adv_clip."""
+    v = _randn(2, 3, seed=42)
+    with pytest.raises(ValueError, match="^adv_clip must be a number > 0"):
+        awm_loss(v, v + 1, 0.5, torch.zeros(2, dtype=F64), adv_clip=adv_clip)  # type: ignore[arg-type]
+
+
+def test_awm_loss_errors_name_the_offending_argument():
+    """awm_loss errors name the argument: v_theta / u / v_ref shapes, advantages, beta, beta_ema."""
+    v = _randn(2, 3, seed=43)
+    adv = torch.zeros(2, dtype=F64)
+    with pytest.raises(ValueError, match=r"^v_theta of shape \(2, 3\) and u of shape \(2, 4\)"):
+        awm_loss(v, _randn(2, 4, seed=44), 0.5, adv)
+    with pytest.raises(ValueError, match=r"^v_theta of shape \(2, 3\) and v_ref of shape \(2, 4\)"):
+        awm_loss(v, v + 1, 0.5, adv, v_ref=_randn(2, 4, seed=45), beta=0.1)
+    with pytest.raises(ValueError, match=r"^v_theta of shape \(2, 3\) and v_ema of shape \(2, 4\)"):
+        awm_loss(v, v + 1, 0.5, adv, v_ema=_randn(2, 4, seed=46), beta_ema=0.1)
+    with pytest.raises(ValueError, match=r"^advantages must be one value per sample"):
+        awm_loss(v, v + 1, 0.5, torch.zeros(3, dtype=F64))
+    with pytest.raises(ValueError, match=r"^advantages holds NaN / inf at sample\(s\) \[1\]"):
+        awm_loss(v, v + 1, 0.5, torch.tensor([0.0, math.nan], dtype=F64))
+    with pytest.raises(ValueError, match=r"^beta must be a finite number >= 0"):
+        awm_loss(v, v + 1, 0.5, adv, beta=-0.1)
+    with pytest.raises(ValueError, match=r"^beta_ema must be a finite number >= 0"):
+        awm_loss(v, v + 1, 0.5, adv, beta_ema=-0.1)
+
+
+def test_awm_loss_any_positive_beta_ema_needs_v_ema():
+    """beta_ema = 0.5 (> 0, < 1) without v_ema raises ValueError naming v_ema."""
+    v = _randn(2, 3, seed=47)
+    with pytest.raises(ValueError, match="needs v_ema"):
+        awm_loss(v, v + 1, 0.5, torch.zeros(2, dtype=F64), beta_ema=0.5)
