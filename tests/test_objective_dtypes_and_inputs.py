@@ -62,6 +62,15 @@ def test_velocity_kl_float64_in_any_input_gives_float64(which):
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
+def test_velocity_kl_half_inputs_are_computed_in_float32():
+    """velocity_kl of float16 velocities is float32, computed from the upcast values (not in float16)."""
+    v, v_ref = torch.tensor([[0.1, 2.0, -3.0]], dtype=F16), torch.tensor([[0.7, -1.5, 1 / 3]], dtype=F16)
+    out = velocity_kl(v, v_ref)
+    assert out.dtype == F32
+    ref = ((v.double() - v_ref.double()) ** 2).mean(1)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("which", ["mean", "mean_ref", "std", "delta"])
 def test_flow_grpo_kl_float64_in_any_input_gives_float64(which):
     """kl_penalty("flow_grpo") runs in float64 when any one of mean, mean_ref, std, delta is float64."""
@@ -300,6 +309,10 @@ def test_advantage_weighted_fm_loss_float64_weights_give_float64():
     torch.testing.assert_close(out, (w * ell).mean(), rtol=0, atol=1e-12)
     out32 = advantage_weighted_fm_loss(v, u, w.float())
     assert out32.dtype == F32
+    out64 = advantage_weighted_fm_loss(v.double() / 3, u.double(), w.float())
+    assert out64.dtype == F64
+    ell64 = ((v.double() / 3 - u.double()) ** 2).mean(1)
+    torch.testing.assert_close(out64, (w.float().double() * ell64).mean(), rtol=0, atol=1e-12)
     vm = torch.zeros(2, 3, device="meta")
     assert advantage_weighted_fm_loss(vm, vm, torch.ones(2)).device.type == "meta"
 
