@@ -15,7 +15,7 @@ import torch
 import torch._dynamo  # noqa: F401  (the first meta-device op imports it: ~5 s; lightning imports it for the suite)
 
 from genrl.flow import RunningMeanStd, gaussian_kl, kl_penalty, normalize_rewards, velocity_kl
-from genrl.flow.forward_rl import advantage_weighted_fm_loss, awm_loss
+from genrl.flow.forward_rl import advantage_weighted_fm_loss, awm_loss, awm_weight
 from genrl.flow.nft import r1_penalty, r2_penalty
 
 F64, F32, F16 = torch.float64, torch.float32, torch.float16
@@ -377,3 +377,20 @@ def test_awm_loss_any_positive_beta_ema_needs_v_ema():
     v = _randn(2, 3, seed=47)
     with pytest.raises(ValueError, match="needs v_ema"):
         awm_loss(v, v + 1, 0.5, torch.zeros(2, dtype=F64), beta_ema=0.5)
+
+
+def test_awm_loss_passes_mask_frame_dim_p_eps_and_huber_delta_to_the_weighting():
+    """AWM (log p_old = 0) is -mean(A exp(-w)), w = awm_weight(masked l on Wan frame_dim 2, t, p, eps, huber_delta)."""
+    b, c, t = 2, 3, 4
+    v, u = _randn(b, c, t, 2, seed=48), _randn(b, c, t, 2, seed=49)
+    mask = torch.tensor([[True, False, True, True], [False, False, True, False]])
+    sq = (v - u) ** 2
+    ell = torch.stack([sq[i][:, mask[i]].mean() for i in range(b)])
+    adv, tt = torch.tensor([0.5, -2.0], dtype=F64), torch.tensor([0.3, 0.8], dtype=F64)
+    for weighting, kw in (("ghuber", {"p": 0.5, "eps": 0.01}), ("huber", {"eps": 0.04, "huber_delta": 0.3})):
+        loss, _ = awm_loss(v, u, tt, adv, weighting=weighting, log_p_old=torch.zeros(b, dtype=F64),
+                           adv_clip=math.inf, adv_scale=False, mask=mask, frame_dim=2, **kw)
+        ref = -(adv * torch.exp(-awm_weight(ell, tt, weighting, **kw))).mean()
+        torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"^log_p_old must be one value per sample"):
+        awm_loss(v, u, tt, adv, log_p_old=torch.zeros(3, dtype=F64))
