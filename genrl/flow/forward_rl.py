@@ -120,7 +120,8 @@ def advantage_weighted_fm_loss(
     _check_same_shape("v", v, u=u)
     w = _check_per_sample("weights", weights, v.shape[0])
     ell = sample_mse(v, u.detach(), mask, frame_dim)
-    return (w.to(device=ell.device, dtype=ell.dtype) * ell).mean()
+    dt = compute_dtype(ell, w)
+    return (w.to(device=ell.device, dtype=dt) * ell.to(dt)).mean()
 
 
 # --------------------------------------------------------------------------------------------
