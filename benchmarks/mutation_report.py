@@ -10,8 +10,8 @@ Usage (from the repository root, after ``mutmut run``; see docs/testing.md)::
 
 The accepted list ``tests/mutation_accepted.txt`` has one mutant a line: ``<mutant name>  <reason>`` (the name as
 ``mutmut results`` prints it, then at least one space and the reason); ``#`` starts a comment. A mutant is
-*accepted* when it survives and is listed; an entry whose mutant no longer survives is reported as stale (the
-code or the tests changed: delete the line or fix the name).
+*accepted* when it survives and is listed; an entry whose mutant is now killed, or no longer exists, is reported
+as stale (the code or the tests changed: delete the line or fix the name).
 
 Statuses are mutmut's: killed, timeout (counted as killed: the mutant made the tests run far longer), survived,
 no tests (no test runs the mutated function; counted with the survivors), not checked (the run did not reach
@@ -31,7 +31,7 @@ STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", -11: "segfault",
           -9: "segfault", None: "not checked"}
 STRICT = ("genrl/flow/", "genrl/rollout/")
-FORBIDDEN_REASONS = ("no test yet", "todo", "later")
+FORBIDDEN_REASONS = ("no test yet", "todo", "test later", "write a test", "not tested yet")
 
 
 def load_results(mutants: Path) -> dict[str, tuple[str, str]]:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         per_file[source][status] += 1
         if alive and name not in accepted:
             unaccepted.append((source, name, status))
-    stale = sorted(n for n in accepted if results.get(n, ("", ""))[1] not in ("survived", "no tests"))
+    stale = sorted(n for n in accepted if results.get(n, ("", "missing"))[1] in ("killed", "timeout", "missing"))
     bad_reasons = sorted(n for n, r in accepted.items() if any(f in r.lower() for f in FORBIDDEN_REASONS))
 
     total: Counter = Counter()
