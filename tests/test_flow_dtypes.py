@@ -241,3 +241,42 @@ def test_schedule_conversions_turn_integers_into_float32(default):
     # float tensors keep their dtype
     assert sigmas_to_timesteps(torch.tensor([THIRD], dtype=F64)).dtype == F64
     assert timesteps_to_sigmas(torch.tensor([1.0], dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_timestep_sampler_draw_device_dtype_and_rng_use():
+    """TimestepSampler: float32 whatever torch's default dtype; with no generator the draw is made on ``device`` (a meta
+    draw leaves the CPU RNG untouched) or on the CPU; with a generator it is made on the generator's device (the
+    generator advances) and moved to ``device``."""
+    from genrl.flow.schedules import TimestepSampler
+
+    sampler = TimestepSampler(kind="uniform")
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert sampler(3, torch.Generator().manual_seed(0)).dtype == torch.float32
+        assert TimestepSampler()(3, torch.Generator().manual_seed(0)).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(old)
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    out = sampler(4, None, device="meta")
+    assert out.device.type == "meta" and torch.equal(torch.get_rng_state(), state)
+    assert sampler(4, None).device.type == "cpu" and not torch.equal(torch.get_rng_state(), state)
+    g = torch.Generator().manual_seed(1)
+    g_state = g.get_state()
+    moved = sampler(4, g, device="meta")
+    assert moved.device.type == "meta" and not torch.equal(g.get_state(), g_state)
+    assert sampler(4, torch.Generator().manual_seed(1)).device.type == "cpu"
+
+
+def test_timestep_sampler_shift_two_and_upper_clamp():
+    """TimestepSampler: shift 2 is applied (sigma = 2u / (1 + u)); the affine map's float32 round-off above
+    sigma_max is clamped (logit-normal draws saturate at u = 1, where 0.3 + 0.4 u rounds above 0.7 in float32)."""
+    from genrl.flow.schedules import TimestepSampler
+
+    u = torch.rand(64, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
+    got = TimestepSampler(kind="uniform", shift=2.0)(64, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(got, 2 * u / (1 + u), rtol=0, atol=1e-6)
+    wide = TimestepSampler(kind="logit_normal", logit_std=30.0, sigma_min=0.3, sigma_max=0.7)
+    sig = wide(100_000, torch.Generator().manual_seed(0))
+    assert bool((sig <= 0.7).all()) and bool((sig >= 0.3).all()) and bool((sig == sig.max()).any())
