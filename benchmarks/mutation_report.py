@@ -26,10 +26,9 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from mutmut.stats import status_by_exit_code  # mutmut's own exit code -> status map
+
 ROOT = Path(__file__).resolve().parents[1]
-STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped", 35: "suspicious",
-          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout", -11: "segfault",
-          -9: "segfault", None: "not checked"}
 STRICT = ("genrl/flow/", "genrl/rollout/")
 FORBIDDEN_REASONS = ("no test yet", "todo", "test later", "write a test", "not tested yet")
 
@@ -47,7 +46,7 @@ def load_results(mutants: Path) -> dict[str, tuple[str, str]]:
     for meta in metas:
         source = str(meta.relative_to(mutants))[: -len(".meta")]
         for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-            out[name] = (source, STATUS.get(code, "suspicious"))
+            out[name] = (source, status_by_exit_code[code])
     return out
 
 
