@@ -394,3 +394,149 @@ def test_awm_loss_passes_mask_frame_dim_p_eps_and_huber_delta_to_the_weighting()
         torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match=r"^log_p_old must be one value per sample"):
         awm_loss(v, u, tt, adv, log_p_old=torch.zeros(3, dtype=F64))
+
+
+# ================================================================================================ AWM weight / loss:
+# dtypes, defaults, input checks, anchors and stats
+
+
+@pytest.mark.parametrize("which", ["t", "advantages", "log_p_old", "v_ref", "v_ema"])
+def test_awm_loss_float64_in_any_input_gives_float64(which):
+    """awm_loss runs in float64 when any one input is float64 (float64 reference at 1e-12; the others float32)."""
+    b = 3
+    v, u = _randn(b, 4, seed=60, dtype=F32), _randn(b, 4, seed=61, dtype=F32)
+    args = {"t": torch.tensor([0.25, 0.5, 0.75], dtype=F32), "advantages": torch.tensor([0.5, -1.5, 2.0], dtype=F32),
+            "log_p_old": torch.tensor([-0.5, -1.0, -2.0], dtype=F32), "v_ref": _randn(b, 4, seed=62, dtype=F32),
+            "v_ema": _randn(b, 4, seed=63, dtype=F32)}
+    args[which] = {"t": torch.tensor([0.3, 0.6, 0.9], dtype=F64) + 1e-9,
+                   "advantages": _third_ish(b, seed=64), "log_p_old": -_third_ish(b, seed=65).abs(),
+                   "v_ref": _third_ish(b, 4, seed=66), "v_ema": _third_ish(b, 4, seed=67)}[which]
+    loss, stats = awm_loss(v, u, args["t"], args["advantages"], weighting="t", log_p_old=args["log_p_old"],
+                           clip_range=None, adv_clip=2.0, v_ref=args["v_ref"], beta=0.5, v_ema=args["v_ema"],
+                           beta_ema=0.25)
+    d = {k: x.double() for k, x in args.items()}
+    ell = ((v - u) ** 2).mean(1).double()  # sample_mse of two float32 velocities runs in float32
+    ratio = torch.exp(-d["t"] * ell - d["log_p_old"])
+    policy = (-(d["advantages"].clamp(-2, 2) / 2) * ratio).mean()
+    kl_ref = ((v - args["v_ref"]) ** 2).mean(1).mean().double()  # float64 only when v_ref is
+    kl_ema = ((v - args["v_ema"]) ** 2).mean(1).mean().double()
+    assert loss.dtype == F64
+    torch.testing.assert_close(loss, policy + 0.5 * kl_ref + 0.25 * kl_ema, rtol=0, atol=1e-12)
+    for key in ("policy_loss", "kl_ref", "kl_ema", "fm_mse", "ratio_mean", "clip_frac", "adv_abs_mean"):
+        assert stats[key].dtype == F64, key
+    # with float32 everywhere the loss and every stat are float32
+    args32 = {k: x.float() for k, x in args.items()}
+    loss32, stats32 = awm_loss(v, u, args32["t"], args32["advantages"], log_p_old=args32["log_p_old"])
+    assert loss32.dtype == F32 and all(s.dtype == F32 for s in stats32.values())
+
+
+def test_awm_loss_stats_are_the_documented_values():
+    """stats: policy_loss, kl_ref, kl_ema (masked on frame_dim 2), fm_mse, ratio_mean, clip_frac, adv_abs_mean."""
+    b, c, t = 3, 2, 4
+    v, u = _randn(b, c, t, seed=70), _randn(b, c, t, seed=71)
+    v_ref, v_ema = _randn(b, c, t, seed=72), _randn(b, c, t, seed=73)
+    mask = torch.tensor([[True, False, True, True], [False, False, True, False], [True, True, False, False]])
+
+    def masked(a: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        sq = (a - z) ** 2
+        return torch.stack([sq[i][:, mask[i]].mean() for i in range(b)])
+
+    adv = torch.tensor([1.0, -4.0, 10.0], dtype=F64)
+    log_p_old = -masked(v, u) + torch.tensor([0.1, -1.0, 0.05], dtype=F64)  # ratios e^-0.1, e^1, e^-0.05
+    loss, stats = awm_loss(v, u, 0.5, adv, weighting="uniform", log_p_old=log_p_old, clip_range=0.3, v_ref=v_ref,
+                           beta=0.2, v_ema=v_ema, beta_ema=0.7, mask=mask, frame_dim=2)
+    assert set(stats) == {"policy_loss", "kl_ref", "kl_ema", "fm_mse", "ratio_mean", "clip_frac", "adv_abs_mean"}
+    ell = masked(v, u)
+    ratio = torch.exp(-ell - log_p_old)
+    a = adv.clamp(-5, 5) / 5
+    policy = torch.maximum(-a * ratio, -a * ratio.clamp(0.7, 1.3)).mean()
+    ref = {"policy_loss": policy, "kl_ref": masked(v, v_ref).mean(), "kl_ema": masked(v, v_ema).mean(),
+           "fm_mse": ell.mean(), "ratio_mean": ratio.mean(),
+           "clip_frac": ((ratio - 1).abs() > 0.3).double().mean(), "adv_abs_mean": a.abs().mean()}
+    for key, value in ref.items():
+        torch.testing.assert_close(stats[key], value, rtol=0, atol=1e-12, msg=key)
+    torch.testing.assert_close(loss, policy + 0.2 * ref["kl_ref"] + 0.7 * ref["kl_ema"], rtol=0, atol=1e-12)
+    assert 0 < float(stats["clip_frac"]) < 1  # the reference is not degenerate
+    # without the anchors' velocities their stats are float64 zeros; unclipped: clip_frac is a float64 zero
+    _, s0 = awm_loss(v, u, 0.5, adv, log_p_old=log_p_old)
+    for key in ("kl_ref", "kl_ema", "clip_frac"):
+        assert s0[key].dtype == F64 and float(s0[key]) == 0.0, key
+
+
+def test_awm_loss_clip_frac_counts_strictly_outside_the_trust_region():
+    """clip_frac counts |ratio - 1| > e: a sample exactly on the boundary |ratio - 1| = e is not counted."""
+    v, u = _randn(2, 3, seed=74), _randn(2, 3, seed=75)
+    log_p_old = torch.tensor([-2.0, 0.5], dtype=F64)
+    ratio = torch.exp(-((v - u) ** 2).mean(1) - log_p_old)  # the same float64 ops as awm_loss (uniform weighting)
+    e = float((ratio[0] - 1.0).abs())  # sample 0 on the boundary; sample 1 further out (ratio < 1 - e)
+    assert float((ratio[1] - 1.0).abs()) > e
+    _, stats = awm_loss(v, u, 0.5, torch.ones(2, dtype=F64), weighting="uniform", log_p_old=log_p_old, clip_range=e)
+    assert float(stats["clip_frac"]) == 0.5
+
+
+def test_awm_loss_zero_beta_switches_an_anchor_off():
+    """beta = 0 (beta_ema = 0) leaves v_ref (v_ema) out of the loss: an overflowing reference does not reach it."""
+    v, u = _randn(2, 3, seed=76, dtype=F32), _randn(2, 3, seed=77, dtype=F32)
+    huge = torch.full((2, 3), 3e38, dtype=F32)  # (v - huge)^2 overflows float32 to inf
+    adv = torch.tensor([1.0, -1.0], dtype=F32)
+    base, _ = awm_loss(v, u, 0.5, adv)
+    for kw in ({"v_ref": huge, "beta": 0.0}, {"v_ema": huge, "beta_ema": 0.0}):
+        loss, stats = awm_loss(v, u, 0.5, adv, **kw)
+        assert torch.isfinite(loss) and float(loss) == float(base), kw
+        assert math.isinf(float(stats["kl_ref" if "v_ref" in kw else "kl_ema"]))  # the stat is still reported
+
+
+def test_awm_weight_defaults_are_uniform_and_ghuber_p_quarter():
+    """awm_weight's default weighting is "uniform" (w = l) and ghuber's default p is 0.25 (the reference's)."""
+    ell, t = torch.tensor([0.0, 0.3, 2.0], dtype=F64), torch.tensor([0.2, 0.5, 0.9], dtype=F64)
+    torch.testing.assert_close(awm_weight(ell, t), ell, rtol=0, atol=0)
+    torch.testing.assert_close(awm_weight(ell, t, "ghuber"), awm_weight(ell, t, "ghuber", p=0.25), rtol=0, atol=0)
+    expected = (t / 0.25) * ((ell + 1e-10) ** 0.25 - 1e-10**0.25)
+    torch.testing.assert_close(awm_weight(ell, t, "ghuber"), expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "t", "ghuber"])
+def test_awm_weight_float64_t_or_ell_gives_float64(weighting):
+    """float32 l with a float64 t (tensor) gives float64 w equal to the float64 reference; float32 both: float32."""
+    ell32 = torch.tensor([0.1, 0.7, 1.3], dtype=F32)
+    t64 = torch.tensor([1 / 3, 0.5, 2 / 3], dtype=F64)
+    w = awm_weight(ell32, t64, weighting)
+    assert w.dtype == F64
+    torch.testing.assert_close(w, awm_weight(ell32.double(), t64, weighting), rtol=0, atol=0)
+    assert awm_weight(ell32, t64.float(), weighting).dtype == F32
+    assert awm_weight(ell32, 0.5, weighting).dtype == F32  # a python float t does not widen
+    w64 = awm_weight(ell32.double() / 3, 1 / 3, weighting)
+    assert w64.dtype == F64
+
+
+def test_awm_weight_accepts_t_zero_one_sample_and_a_0d_tensor_t():
+    """t = 0 is allowed (w = 0 for "t"), a single sample [1] is fine, and a 0-d tensor t broadcasts over [B]."""
+    ell = torch.tensor([0.4, 0.9], dtype=F64)
+    torch.testing.assert_close(awm_weight(ell, 0.0, "t"), torch.zeros(2, dtype=F64), rtol=0, atol=0)
+    torch.testing.assert_close(awm_weight(ell, torch.zeros(2, dtype=F64), "t"), torch.zeros(2, dtype=F64))
+    torch.testing.assert_close(awm_weight(ell[:1], 0.5, "t"), torch.tensor([0.2], dtype=F64), rtol=0, atol=1e-15)
+    w = awm_weight(ell, torch.tensor(0.25, dtype=F64), "t2")
+    torch.testing.assert_close(w, 0.0625 * ell, rtol=0, atol=1e-15)
+
+
+def test_awm_weight_rejects_bad_ell_t_and_parameters_naming_them():
+    """Bad ell (not [B], empty, negative, NaN), t (wrong shape, bool, outside [0, 1]), eps / huber_delta <= 0 raise."""
+    ell = torch.tensor([0.4, 0.9], dtype=F64)
+    with pytest.raises(ValueError, match=r"^ell must be the per-sample error \[B\], got shape \(2, 1\)"):
+        awm_weight(ell[:, None], 0.5)
+    with pytest.raises(ValueError, match=r"^ell must be the per-sample error \[B\], got shape \(0,\)"):
+        awm_weight(ell[:0], 0.5)
+    for bad in (torch.tensor([0.4, -1e-3], dtype=F64), torch.tensor([math.nan, 0.9], dtype=F64)):
+        with pytest.raises(ValueError, match="^ell must be a non-negative"):
+            awm_weight(bad, 0.5)
+    for t_bad in (torch.full((2, 1), 0.5, dtype=F64), torch.full((3,), 0.5, dtype=F64)):
+        with pytest.raises(ValueError, match=r"^t must be \[B\] = \[2\] or a scalar"):
+            awm_weight(ell, t_bad)
+    with pytest.raises(TypeError, match="^t must be a torch.Tensor"):
+        awm_weight(ell, True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^t must lie in \[0, 1\]"):
+        awm_weight(ell, -0.01)
+    with pytest.raises(ValueError, match="eps"):
+        awm_weight(ell, 0.5, "ghuber", eps=0.0)
+    with pytest.raises(ValueError, match="huber_delta"):
+        awm_weight(ell, 0.5, "huber", huber_delta=-1.0)

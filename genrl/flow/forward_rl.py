@@ -493,13 +493,13 @@ def awm_loss(
     if v_ema is not None:
         _check_same_shape("v_theta", v_theta, v_ema=v_ema)
 
-    ell = sample_mse(v_theta, u.detach(), mask, frame_dim)
-    dt = ell.dtype
+    dt = compute_dtype(v_theta, u, t, advantages, log_p_old, v_ref, v_ema)
+    ell = sample_mse(v_theta, u.detach(), mask, frame_dim).to(dt)
     log_p = -awm_weight(ell, t, weighting, p=p, eps=eps, huber_delta=huber_delta)
     if log_p_old is None:
         old = log_p.detach()
     else:
-        old = _check_per_sample("log_p_old", log_p_old, b).to(device=log_p.device, dtype=dt)
+        old = _check_per_sample("log_p_old", log_p_old, b).to(device=log_p.device)
     ratio = torch.exp(log_p - old)
 
     adv = a.to(device=log_p.device, dtype=dt).clamp(-float(adv_clip), float(adv_clip))
@@ -516,8 +516,8 @@ def awm_loss(
     policy = per_sample.mean()
 
     zero = torch.zeros((), dtype=dt, device=log_p.device)
-    kl_ref = sample_mse(v_theta, v_ref.detach(), mask, frame_dim).mean() if v_ref is not None else zero
-    kl_ema = sample_mse(v_theta, v_ema.detach(), mask, frame_dim).mean() if v_ema is not None else zero
+    kl_ref = sample_mse(v_theta, v_ref.detach(), mask, frame_dim).mean().to(dt) if v_ref is not None else zero
+    kl_ema = sample_mse(v_theta, v_ema.detach(), mask, frame_dim).mean().to(dt) if v_ema is not None else zero
     loss = policy
     if beta > 0:
         loss = loss + beta * kl_ref
