@@ -150,3 +150,22 @@ def test_interrupt_mid_step_names_the_newest_earlier_checkpoint(tmp_path):
     head = f"Resume from the newest earlier checkpoint ({newest}) with:\n  "
     assert cb._earlier(with_mc) == head + resume_command(argv, ckpt="last")  # `--ckpt_path last` finds it
     assert cb._earlier(no_mc) == head + resume_command(argv, ckpt=str(newest))  # named by its path
+
+
+def test_interrupt_mid_step_says_which_step_and_writes_nothing(tmp_path, capsys):
+    """A KeyboardInterrupt without a prior request (second Ctrl-C) during step global_step + 1 writes no checkpoint
+    and says so on stderr, naming that step and the earlier checkpoint to resume from."""
+    from types import SimpleNamespace
+
+    cb = InterruptCheckpoint(argv=["fit", "--config", "a.yaml"])
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    (folder / "last.ckpt").write_text("x")
+    saved = []
+    trainer = SimpleNamespace(checkpoint_callbacks=[], default_root_dir=str(folder), logger=None, global_step=6,
+                              state=SimpleNamespace(fn="fit"), save_checkpoint=saved.append)
+    cb.on_exception(trainer, None, KeyboardInterrupt())
+    err = capsys.readouterr().err
+    assert err == ("Interrupted in the middle of step 7: no checkpoint written (a half-done step cannot be resumed). "
+                   + cb._earlier(trainer) + "\n")
+    assert str(folder / "last.ckpt") in err and saved == [] and cb.saved_path is None

@@ -540,3 +540,12 @@ def test_awm_weight_rejects_bad_ell_t_and_parameters_naming_them():
         awm_weight(ell, 0.5, "ghuber", eps=0.0)
     with pytest.raises(ValueError, match="huber_delta"):
         awm_weight(ell, 0.5, "huber", huber_delta=-1.0)
+
+
+@pytest.mark.parametrize("bad", [True, "0.1", math.inf, math.nan, -1e-9, None])
+def test_awm_loss_anchor_weights_must_be_finite_numbers_not_bools_or_strings(bad):
+    """beta / beta_ema: a bool, a string, inf, NaN, a negative or None raises ValueError naming the weight."""
+    v = _randn(2, 3, seed=78)
+    for name in ("beta", "beta_ema"):
+        with pytest.raises(ValueError, match=f"^{name} must be a finite number >= 0, got {bad!r}"):
+            awm_loss(v, v + 1, 0.5, torch.zeros(2, dtype=F64), v_ref=v, v_ema=v, **{name: bad})
