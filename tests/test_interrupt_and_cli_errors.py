@@ -169,3 +169,45 @@ def test_interrupt_mid_step_says_which_step_and_writes_nothing(tmp_path, capsys)
     assert err == ("Interrupted in the middle of step 7: no checkpoint written (a half-done step cannot be resumed). "
                    + cb._earlier(trainer) + "\n")
     assert str(folder / "last.ckpt") in err and saved == [] and cb.saved_path is None
+
+
+def _fake_trainer(root: Path, *, rank_zero: bool = True):
+    """A stand-in for Trainer with what InterruptCheckpoint reads: no ModelCheckpoint, so the interrupt checkpoint
+    goes to default_root_dir; save_checkpoint writes the step number to the path it is given."""
+    from types import SimpleNamespace
+
+    def save(path: str) -> None:
+        Path(path).write_text("step 4")
+
+    return SimpleNamespace(checkpoint_callbacks=[], default_root_dir=str(root), logger=None, global_step=4,
+                           state=SimpleNamespace(fn="fit"), is_global_zero=rank_zero, save_checkpoint=save,
+                           strategy=SimpleNamespace(barrier=lambda name=None: None))
+
+
+def test_requested_interrupt_saves_atomically_into_missing_or_existing_folders(tmp_path, capsys):
+    """After a first Ctrl-C (or SIGTERM), on_exception writes the checkpoint under default_root_dir, creating missing
+    parent folders and accepting an existing one, leaves no temporary file, records saved_path and prints the resume
+    command with the checkpoint's path (no ModelCheckpoint: `--ckpt_path last` would not find it)."""
+    argv = ["fit", "--config", "a.yaml"]
+    for root in (tmp_path / "new" / "nested", tmp_path / "new" / "nested"):  # missing (parent too), then existing
+        cb = InterruptCheckpoint(argv=argv)
+        cb._requested = True
+        cb.on_exception(_fake_trainer(root), None, KeyboardInterrupt())
+        path = root / "last-interrupt.ckpt"
+        assert path.read_text() == "step 4"
+        assert sorted(p.name for p in root.iterdir()) == ["last-interrupt.ckpt"]  # the .tmp was renamed
+        assert cb.saved_path == str(path)
+        assert capsys.readouterr().err == (f"Interrupted after step 4: saved a checkpoint to {path}.\nResume with:\n  "
+                                           f"{resume_command(argv, ckpt=str(path))}\n")
+
+
+def test_interrupt_messages_are_printed_by_local_rank_0_of_node_0_only(monkeypatch, capsys):
+    """_say prints on stderr only where LOCAL_RANK and NODE_RANK are both 0 (unset counts as 0)."""
+    for local, node, printed in (("0", "0", True), ("1", "0", False), ("0", "1", False), (None, None, True)):
+        for name, value in (("LOCAL_RANK", local), ("NODE_RANK", node)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        InterruptCheckpoint._say("hello")
+        assert capsys.readouterr().err == ("hello\n" if printed else ""), (local, node)
