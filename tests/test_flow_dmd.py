@@ -361,6 +361,17 @@ def test_critic_loss_is_plain_flow_matching():
         critic_loss(v, x0[:1], eps)
 
 
+def test_critic_loss_mask_on_wan_frame_dim():
+    """frame_dim = 2 puts the [B, T] mask on T of a [B, C, T, H, W] latent: the masked per-sample MSE, float64."""
+    b, c, t = 2, 3, 4
+    v, x0, eps = (_randn(b, c, t, 2, seed=s) for s in (40, 41, 42))
+    mask = torch.tensor([[True, False, True, True], [False, False, True, False]])
+    se = (v - (eps - x0)).square()
+    by_hand = torch.stack([se[i][:, mask[i]].mean() for i in range(b)]).mean()
+    out = critic_loss(v, x0, eps, mask=mask, frame_dim=2)
+    assert out.dtype == F64 and out.ndim == 0
+    torch.testing.assert_close(out, by_hand, rtol=0, atol=1e-12)
+
 def test_ode_regression_loss_masked():
     pred, target = _randn(*SHAPE, seed=7), _randn(*SHAPE, seed=8)
     assert torch.allclose(ode_regression_loss(pred, target), (pred - target).square().mean(), atol=1e-15, rtol=0)
