@@ -580,3 +580,23 @@ def test_dmd_loss_dtype_follows_x_g_and_weight(wide):
         assert torch.equal(loss, ref.to(torch.float32))
     else:
         assert torch.allclose(loss, ref, atol=1e-12, rtol=0)
+
+
+def test_num_train_timesteps_of_one_is_accepted_and_bad_values_are_named():
+    """num_train_timesteps = 1 is a valid grid (shift 1 keeps the list); 0, -3, 2.5 and True raise ValueError
+    naming num_train_timesteps."""
+    assert warped_timesteps([1], 1.0, num_train_timesteps=1) == [1.0]
+    assert warped_timesteps([1, 0], 3.0, num_train_timesteps=1) == [1.0, 0.0]
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=rf"^num_train_timesteps must be an int >= 1, got {bad!r}"):
+            warped_timesteps([1], 1.0, num_train_timesteps=bad)
+
+
+def test_dmd_losses_accept_one_dimensional_batches():
+    """[B] tensors (a batch dim and nothing else) are valid inputs: dmd_loss = 0.5 mean(g^2) and dmd_gradient's
+    per-sample normaliser is |x - x0_real| of the single element (float64 closed forms)."""
+    x = torch.tensor([1.0, 2.0], dtype=F64)
+    g = torch.tensor([0.5, -3.0], dtype=F64)
+    torch.testing.assert_close(dmd_loss(x, g), torch.tensor(0.5 * (0.25 + 9.0) / 2, dtype=F64), rtol=0, atol=1e-15)
+    r = torch.tensor([3.0, 0.0], dtype=F64)  # |x - r| = 2 for both samples
+    torch.testing.assert_close(dmd_gradient(x, g, r), (g - r) / 2.0, rtol=0, atol=1e-15)
