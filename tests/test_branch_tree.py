@@ -3,6 +3,8 @@ pruning, and the single-split reduction to flat GRPO."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -126,6 +128,91 @@ def test_pruning_cuts_218_edges_to_138_both_ways():
     assert kept_last.numel() == 80 and kept_last.min() <= adv[steps > 9].quantile(0.25) + 1e-6
     with pytest.raises(ValueError, match="no edge to train"):
         prune_edges(edges, adv, tree.split_steps, 20, depths=list(range(1, 21)))
+
+
+# the 3-step tree of test_fusion_and_depthwise_advantages: splits at steps 0 and 1 (factor 2), leaves r = [1, 2, 3, 5]
+_PARENT = [torch.zeros(0, dtype=torch.long), torch.tensor([0, 0]), torch.tensor([0, 0, 1, 1]),
+           torch.tensor([0, 1, 2, 3])]
+_LEAF_R = torch.tensor([1.0, 2.0, 3.0, 5.0])
+
+
+def test_fuse_rewards_path_prob_without_log_probs_names_log_probs():
+    """path_prob fusion without log_probs raises ValueError naming log_probs (not a TypeError from indexing None)."""
+    with pytest.raises(ValueError, match="log_probs"):
+        fuse_rewards(_PARENT, _LEAF_R, weighting="path_prob")
+
+
+def test_fuse_rewards_path_prob_default_alpha_one_and_extreme_log_probs():
+    """path_prob with the default alpha = 1 is softmax(l) per parent (float64, closed form), also for log-probs of
+    +-800 whose plain exp over/underflows; one float64 [N_k] reward and one all-True valid per step 0..S."""
+    ln3, ln2 = math.log(3.0), math.log(2.0)
+    lp = [torch.zeros(0, dtype=torch.float64), torch.tensor([300.0 + ln2, 300.0], dtype=torch.float64),
+          torch.tensor([-800.0, -800.0 + ln3, 700.0, 700.0 - ln3], dtype=torch.float64),
+          torch.tensor([-800.0, 800.0, 0.0, 0.0], dtype=torch.float64)]
+    rewards, valid = fuse_rewards(_PARENT, _LEAF_R, log_probs=lp, weighting="path_prob")
+    assert len(rewards) == len(valid) == 4
+    assert [r.dtype for r in rewards] == [torch.float64] * 4 and [v.dtype for v in valid] == [torch.bool] * 4
+    assert [tuple(r.shape) for r in rewards] == [(1,), (2,), (4,), (4,)]
+    assert all(bool(v.all()) for v in valid)
+    f64 = torch.float64
+    torch.testing.assert_close(rewards[2], torch.tensor([1.0, 2.0, 3.0, 5.0], dtype=f64), rtol=0, atol=1e-12)
+    # children weights 1/4, 3/4 under node 0 and 3/4, 1/4 under node 1; then 2/3, 1/3 at the root
+    torch.testing.assert_close(rewards[1], torch.tensor([1.75, 3.5], dtype=f64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(rewards[0], torch.tensor([7.0 / 3.0], dtype=f64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("weighting", ["mean", "path_prob"])
+def test_fuse_rewards_childless_node_is_invalid_and_counted(weighting):
+    """A node without children (the last one of step 1) keeps its slot: rewards / valid are [N_k] for every step,
+    the childless node is NaN and invalid, and the others are fused as without it (float64 closed form)."""
+    parent = [torch.zeros(0, dtype=torch.long), torch.tensor([0, 0, 0]), torch.tensor([0, 0, 1, 1]),
+              torch.tensor([0, 1, 2, 3])]
+    lp = [torch.zeros(0), torch.zeros(3), torch.zeros(4), torch.zeros(4)]
+    rewards, valid = fuse_rewards(parent, _LEAF_R, log_probs=lp, weighting=weighting)
+    assert len(rewards) == len(valid) == 4
+    assert [tuple(r.shape) for r in rewards] == [(1,), (3,), (4,), (4,)]
+    assert [tuple(v.shape) for v in valid] == [(1,), (3,), (4,), (4,)]
+    assert valid[1].tolist() == [True, True, False] and bool(torch.isnan(rewards[1][2]))
+    torch.testing.assert_close(rewards[1][:2], torch.tensor([1.5, 4.0], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(rewards[0], torch.tensor([2.75], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def _one_split_tree(n_chains: int = 4, num_steps: int = 20) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Edges of one tree split once at step 0 into n_chains chains (edge order: step-major, then chain)."""
+    steps = torch.arange(num_steps).repeat_interleave(n_chains)
+    return {"step": steps, "tree": torch.zeros_like(steps)}, torch.arange(n_chains).repeat(num_steps)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.5, -0.25])
+def test_prune_edges_width_ratio_outside_0_1_names_width_ratio(ratio):
+    """width_ratio outside [0, 1) raises ValueError naming width_ratio, even where edges above the split would
+    remain to train (so it is the range check that raises, not the empty-result check)."""
+    edges, chain = _one_split_tree()
+    adv = torch.zeros(edges["step"].shape[0])
+    for mode in ("chain", "extremes"):
+        with pytest.raises(ValueError, match=r"width_ratio must be in \[0, 1\)"):
+            prune_edges(edges, adv, [0], 20, width_ratio=ratio, width_mode=mode, chain_id=chain)
+
+
+def test_prune_edges_chain_ties_keep_the_shallow_edges_of_a_long_chain():
+    """Chain width pruning with all advantages tied keeps exactly the shallowest ceil(19 / 2) = 10 edges of each
+    19-edge chain (steps 1..10; stable sort, long enough for an unstable sort to reorder ties)."""
+    edges, chain = _one_split_tree()
+    steps = edges["step"]
+    keep = prune_edges(edges, torch.zeros(steps.shape[0]), [0], 20, width_ratio=0.5, width_mode="chain",
+                       chain_id=chain)
+    assert torch.equal(keep, steps <= 10)
+
+
+def test_prune_edges_extremes_ties_break_by_depth_then_edge_order():
+    """Extremes width pruning with all advantages tied ranks the 76 last-layer edges by depth, then edge order
+    (stable sorts): it keeps the first 19 (steps 1-4 and chains 0-2 of step 5) and the last 19 (chains 1-3 of
+    step 15 and steps 16-19), plus the 4 edges at the split."""
+    edges, chain = _one_split_tree()
+    steps = edges["step"]
+    keep = prune_edges(edges, torch.zeros(steps.shape[0]), [0], 20, width_ratio=0.5, width_mode="extremes")
+    expected = (steps <= 4) | (steps >= 16) | ((steps == 5) & (chain <= 2)) | ((steps == 15) & (chain >= 1))
+    assert torch.equal(keep, expected)
 
 
 def test_single_split_at_step_zero_is_flat_grpo(gen):

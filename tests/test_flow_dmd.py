@@ -255,6 +255,41 @@ def test_dmd_zero_point_and_degenerate_sample():
     assert torch.isfinite(dmd_loss(x, gm, mask=mask))
 
 
+def test_dmd_gradient_eps_is_added_to_the_normaliser():
+    """eps > 0 is added to the per-sample normaliser: g = (x0_fake - x0_real) / (mean |x - x0_real| + eps)."""
+    x, f, r = _dmd_inputs()
+    nrm = (x - r).abs().mean(dim=(1, 2, 3, 4), keepdim=True)
+    torch.testing.assert_close(dmd_gradient(x, f, r, eps=0.5), (f - r) / (nrm + 0.5), rtol=0, atol=1e-12)
+
+
+def test_sid_loss_sample_with_zero_normaliser_contributes_zero():
+    """A sample with x == x0_real (normaliser 0) adds 0 to the SiD loss and gets a zero gradient; the other
+    sample's terms are still divided by the full element count N (float64 closed form)."""
+    x, f, r = _dmd_inputs()
+    x = x.clone()
+    x[1] = r[1]
+    nrm = (x[0] - r[0]).abs().mean()
+    expected = ((r[0] - f[0]) * ((r[0] - x[0]) - (r[0] - f[0])) / nrm).sum() / x.numel()
+    xg = x.clone().requires_grad_(True)
+    loss = sid_loss(xg, f, r)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
+    (grad,) = torch.autograd.grad(loss, xg)
+    assert torch.equal(grad[1], torch.zeros_like(grad[1]))
+    torch.testing.assert_close(grad[0], (f[0] - r[0]) / (nrm * x.numel()), rtol=0, atol=1e-15)
+
+
+def test_dmd_loss_python_float_weight_is_not_rounded_to_float32():
+    """A python-float weight (1/3) enters the float64 loss unrounded: loss = mean(g^2) / 6, gradient g / (3 N)."""
+    x, f, r = _dmd_inputs()
+    g = dmd_gradient(x, f, r)
+    xg = x.clone().requires_grad_(True)
+    loss = dmd_loss(xg, g, weight=1.0 / 3.0)
+    assert loss.dtype == F64
+    torch.testing.assert_close(loss, g.square().mean() / 6.0, rtol=0, atol=1e-15)
+    (grad,) = torch.autograd.grad(loss, xg)
+    torch.testing.assert_close(grad, g / (3.0 * g.numel()), rtol=0, atol=1e-15)
+
+
 def test_dmd_loss_weight_scales_gradient():
     x, f, r = _dmd_inputs()
     g = dmd_gradient(x, f, r)
@@ -359,6 +394,18 @@ def test_critic_loss_is_plain_flow_matching():
     assert torch.allclose(critic_loss(v, x0, eps, mask=mask), by_hand, atol=1e-15, rtol=0)
     with pytest.raises(ValueError, match=r"\(1, 6, 4, 4, 4\)"):
         critic_loss(v, x0[:1], eps)
+
+
+def test_critic_loss_mask_on_wan_frame_dim():
+    """frame_dim = 2 puts the [B, T] mask on T of a [B, C, T, H, W] latent: the masked per-sample MSE, float64."""
+    b, c, t = 2, 3, 4
+    v, x0, eps = (_randn(b, c, t, 2, seed=s) for s in (40, 41, 42))
+    mask = torch.tensor([[True, False, True, True], [False, False, True, False]])
+    se = (v - (eps - x0)).square()
+    by_hand = torch.stack([se[i][:, mask[i]].mean() for i in range(b)]).mean()
+    out = critic_loss(v, x0, eps, mask=mask, frame_dim=2)
+    assert out.dtype == F64 and out.ndim == 0
+    torch.testing.assert_close(out, by_hand, rtol=0, atol=1e-12)
 
 
 def test_ode_regression_loss_masked():
@@ -489,6 +536,9 @@ def test_shape_errors_name_the_reference_input():
     # a broadcastable x0_fake is refused too (it is not silently broadcast)
     with pytest.raises(ValueError, match=r"^x of shape \(2, 6, 4, 4, 4\) and x0_fake of shape \(1, 6, 4, 4, 4\)"):
         sid_loss(x, f[:1], r)
+    g = dmd_gradient(x, f, r)
+    with pytest.raises(ValueError, match=r"^x of shape \(2, 6, 4, 4, 4\) and g of shape \(2, 6, 4, 4\)"):
+        dmd_loss(x, g[..., 0])
 
 
 @pytest.mark.parametrize("bad", [True, False, "3.0", None])
@@ -530,3 +580,23 @@ def test_dmd_loss_dtype_follows_x_g_and_weight(wide):
         assert torch.equal(loss, ref.to(torch.float32))
     else:
         assert torch.allclose(loss, ref, atol=1e-12, rtol=0)
+
+
+def test_num_train_timesteps_of_one_is_accepted_and_bad_values_are_named():
+    """num_train_timesteps = 1 is a valid grid (shift 1 keeps the list); 0, -3, 2.5 and True raise ValueError
+    naming num_train_timesteps."""
+    assert warped_timesteps([1], 1.0, num_train_timesteps=1) == [1.0]
+    assert warped_timesteps([1, 0], 3.0, num_train_timesteps=1) == [1.0, 0.0]
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=rf"^num_train_timesteps must be an int >= 1, got {bad!r}"):
+            warped_timesteps([1], 1.0, num_train_timesteps=bad)
+
+
+def test_dmd_losses_accept_one_dimensional_batches():
+    """[B] tensors (a batch dim and nothing else) are valid inputs: dmd_loss = 0.5 mean(g^2) and dmd_gradient's
+    per-sample normaliser is |x - x0_real| of the single element (float64 closed forms)."""
+    x = torch.tensor([1.0, 2.0], dtype=F64)
+    g = torch.tensor([0.5, -3.0], dtype=F64)
+    torch.testing.assert_close(dmd_loss(x, g), torch.tensor(0.5 * (0.25 + 9.0) / 2, dtype=F64), rtol=0, atol=1e-15)
+    r = torch.tensor([3.0, 0.0], dtype=F64)  # |x - r| = 2 for both samples
+    torch.testing.assert_close(dmd_gradient(x, g, r), (g - r) / 2.0, rtol=0, atol=1e-15)
