@@ -219,3 +219,68 @@ def test_regenerate_leaf_path_codes_are_exact_integers_in_a_wide_tree():
     a = regenerate_leaf(_RowStub(), PROMPTS[0], (2, 3), 1, 0, 2**56 - 1, config, tree)
     b = regenerate_leaf(_RowStub(), PROMPTS[0], (2, 3), 1, 0, 2**56 - 2, config, tree)
     assert not torch.equal(a, b)
+
+
+def _flow_grpo_tree():
+    """Two trees of a 3-step flow_grpo schedule (sigma_0 = 1), splits at steps 0 and 1 (factor 2), on _RowStub."""
+    config = RolloutConfig(num_steps=3, kernel="flow_grpo", noise_level=0.7, micro_batch_size=2)
+    tree = TreeConfig(split_steps=[0, 1], split_noise_scale=2.0)
+    return tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree)
+
+
+def test_edges_list_every_edge_as_int64_by_step_then_child():
+    """edges(): step, child, parent (index one step up) and tree of every edge, int64, by step then child; Mix
+    (deterministic) steps left out unless stochastic_only=False; no stochastic step gives four empty int64 tensors."""
+    import dataclasses
+
+    ro = _flow_grpo_tree()
+    par = {0: [0, 0, 1, 1], 1: [0, 0, 1, 1, 2, 2, 3, 3], 2: list(range(8))}
+    trees = {0: [0, 0, 1, 1], 1: [0, 0, 0, 0, 1, 1, 1, 1], 2: [0, 0, 0, 0, 1, 1, 1, 1]}
+
+    def expected(steps):
+        n = {0: 4, 1: 8, 2: 8}
+        return {"step": [k for k in steps for _ in range(n[k])], "child": [c for k in steps for c in range(n[k])],
+                "parent": [p for k in steps for p in par[k]], "tree": [t for k in steps for t in trees[k]]}
+
+    def listed(edges):
+        assert {key: (e.dtype, e.ndim) for key, e in edges.items()} == {key: (torch.long, 1) for key in expected([])}
+        return {key: e.tolist() for key, e in edges.items()}
+
+    assert listed(ro.edges()) == expected([0, 1, 2])
+    mixed = dataclasses.replace(ro, sde_mask=torch.tensor([True, False, True]))
+    assert listed(mixed.edges()) == expected([0, 2])
+    assert listed(mixed.edges(stochastic_only=False)) == expected([0, 1, 2])
+    assert listed(dataclasses.replace(ro, sde_mask=torch.zeros(3, dtype=torch.bool)).edges()) == expected([])
+
+
+def test_edge_log_prob_recomputes_flow_grpo_edges_exactly_with_sigma_at_one():
+    """Under flow_grpo (sigma_0 = 1, which needs the schedule's sigma_at_one) every edge's recomputed log-prob equals
+    the stored one bitwise, float32; child indices in uint8 are indices (not a mask) like int64 ones."""
+    ro = _flow_grpo_tree()
+    for k in range(3):
+        lp, v = edge_log_prob(_RowStub(), ro, k, torch.arange(ro.latents[k + 1].shape[0]))
+        assert lp.dtype == torch.float32 and torch.equal(lp, ro.log_probs[k + 1]), k
+    lp, v = edge_log_prob(_RowStub(), ro, 1, torch.tensor([7, 0], dtype=torch.uint8))
+    assert torch.equal(lp, ro.log_probs[2][[7, 0]]) and v.shape == (2, 2, 3)
+
+
+def test_edge_log_prob_runs_on_the_generators_device(monkeypatch):
+    """edge_log_prob moves the parents, the children and the sigmas onto the generator's device (meta here: spies
+    stand in for the network and the density, which need values)."""
+    import genrl.rollout.tree as tree_mod
+
+    ro = _flow_grpo_tree()
+    seen = {}
+
+    def velocity_spy(generator, x, sigma, *args):
+        seen["velocity"] = (x.device.type, sigma.device.type)
+        return torch.zeros_like(x)
+
+    def log_prob_spy(kind, x, v, sigma, sigma_next, sample, **kw):
+        seen["log_prob"] = tuple(t.device.type for t in (x, v, sigma, sigma_next, sample))
+        return torch.zeros(x.shape[0], device=x.device), None, None
+
+    monkeypatch.setattr(tree_mod, "guided_velocity", velocity_spy)
+    monkeypatch.setattr(tree_mod, "step_log_prob", log_prob_spy)
+    edge_log_prob(_RowStub("meta"), ro, 1, torch.tensor([3, 4]))
+    assert seen == {"velocity": ("meta", "meta"), "log_prob": ("meta",) * 5}
