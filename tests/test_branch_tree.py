@@ -383,3 +383,12 @@ def test_tree_rollout_on_cuda_feeds_the_network_there_and_equals_the_cpu_rollout
     for a, b in zip(ro.latents + ro.log_probs + [ro.x0], ref.latents + ref.log_probs + [ref.x0], strict=True):
         assert a.device.type == "cpu"
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_sde_mask_is_bool_and_ignores_splits_past_the_schedule():
+    """sde_mask is bool [num_steps] (all True without Mix); under Mix a split step at or past num_steps (checked
+    elsewhere by TreeConfig.check) is left out instead of indexing past the mask."""
+    plain = TreeConfig(split_steps=[0, 2]).sde_mask(4)
+    assert plain.dtype == torch.bool and plain.tolist() == [True] * 4
+    mask = TreeConfig(split_steps=[1, 4], mix_window=1, mix_stride=3).sde_mask(4)
+    assert mask.dtype == torch.bool and mask.tolist() == [True, True, False, True]
