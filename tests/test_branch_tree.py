@@ -392,3 +392,18 @@ def test_sde_mask_is_bool_and_ignores_splits_past_the_schedule():
     assert plain.dtype == torch.bool and plain.tolist() == [True] * 4
     mask = TreeConfig(split_steps=[1, 4], mix_window=1, mix_stride=3).sde_mask(4)
     assert mask.dtype == torch.bool and mask.tolist() == [True, True, False, True]
+
+
+def test_tree_config_bounds_name_the_bad_value():
+    """TreeConfig refuses split_noise_scale 0, a negative mix_window or a mix_stride of 0 (each alone) and
+    max_frontier 0, naming the field; the boundary values (a tiny scale, max_frontier 1) are accepted."""
+    with pytest.raises(ValueError, match="split_noise_scale must be > 0, got 0.0"):
+        TreeConfig(split_noise_scale=0.0)
+    with pytest.raises(ValueError, match="mix_window >= 0 .* got -1, 1"):
+        TreeConfig(mix_window=-1)
+    with pytest.raises(ValueError, match="mix_stride >= 1, got 0, 0"):
+        TreeConfig(mix_stride=0)
+    with pytest.raises(ValueError, match="max_frontier must be >= 1, got 0"):
+        TreeConfig(max_frontier=0)
+    ok = TreeConfig(split_steps=[0], split_noise_scale=1e-3, max_frontier=1)
+    assert ok.split_noise_scale == 1e-3 and ok.max_frontier == 1
