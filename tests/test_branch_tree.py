@@ -306,3 +306,191 @@ def test_regenerate_leaf_path_codes_are_exact_integers_in_a_wide_tree():
     a = regenerate_leaf(_RowStub(), PROMPTS[0], (2, 3), 1, 0, 2**56 - 1, config, tree)
     b = regenerate_leaf(_RowStub(), PROMPTS[0], (2, 3), 1, 0, 2**56 - 2, config, tree)
     assert not torch.equal(a, b)
+
+
+def _flow_grpo_tree():
+    """Two trees of a 3-step flow_grpo schedule (sigma_0 = 1), splits at steps 0 and 1 (factor 2), on _RowStub."""
+    config = RolloutConfig(num_steps=3, kernel="flow_grpo", noise_level=0.7, micro_batch_size=2)
+    tree = TreeConfig(split_steps=[0, 1], split_noise_scale=2.0)
+    return tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree)
+
+
+def test_edges_list_every_edge_as_int64_by_step_then_child():
+    """edges(): step, child, parent (index one step up) and tree of every edge, int64, by step then child; Mix
+    (deterministic) steps left out unless stochastic_only=False; no stochastic step gives four empty int64 tensors."""
+    import dataclasses
+
+    ro = _flow_grpo_tree()
+    par = {0: [0, 0, 1, 1], 1: [0, 0, 1, 1, 2, 2, 3, 3], 2: list(range(8))}
+    trees = {0: [0, 0, 1, 1], 1: [0, 0, 0, 0, 1, 1, 1, 1], 2: [0, 0, 0, 0, 1, 1, 1, 1]}
+
+    def expected(steps):
+        n = {0: 4, 1: 8, 2: 8}
+        return {"step": [k for k in steps for _ in range(n[k])], "child": [c for k in steps for c in range(n[k])],
+                "parent": [p for k in steps for p in par[k]], "tree": [t for k in steps for t in trees[k]]}
+
+    def listed(edges):
+        assert {key: (e.dtype, e.ndim) for key, e in edges.items()} == {key: (torch.long, 1) for key in expected([])}
+        return {key: e.tolist() for key, e in edges.items()}
+
+    assert listed(ro.edges()) == expected([0, 1, 2])
+    mixed = dataclasses.replace(ro, sde_mask=torch.tensor([True, False, True]))
+    assert listed(mixed.edges()) == expected([0, 2])
+    assert listed(mixed.edges(stochastic_only=False)) == expected([0, 1, 2])
+    assert listed(dataclasses.replace(ro, sde_mask=torch.zeros(3, dtype=torch.bool)).edges()) == expected([])
+
+
+def test_edge_log_prob_recomputes_flow_grpo_edges_exactly_with_sigma_at_one():
+    """Under flow_grpo (sigma_0 = 1, which needs the schedule's sigma_at_one) every edge's recomputed log-prob equals
+    the stored one bitwise, float32; child indices in uint8 are indices (not a mask) like int64 ones."""
+    ro = _flow_grpo_tree()
+    for k in range(3):
+        lp, v = edge_log_prob(_RowStub(), ro, k, torch.arange(ro.latents[k + 1].shape[0]))
+        assert lp.dtype == torch.float32 and torch.equal(lp, ro.log_probs[k + 1]), k
+    lp, v = edge_log_prob(_RowStub(), ro, 1, torch.tensor([7, 0], dtype=torch.uint8))
+    assert torch.equal(lp, ro.log_probs[2][[7, 0]]) and v.shape == (2, 2, 3)
+
+
+def test_edge_log_prob_runs_on_the_generators_device(monkeypatch):
+    """edge_log_prob moves the parents, the children and the sigmas onto the generator's device (meta here: spies
+    stand in for the network and the density, which need values)."""
+    import genrl.rollout.tree as tree_mod
+
+    ro = _flow_grpo_tree()
+    seen = {}
+
+    def velocity_spy(generator, x, sigma, *args):
+        seen["velocity"] = (x.device.type, sigma.device.type)
+        return torch.zeros_like(x)
+
+    def log_prob_spy(kind, x, v, sigma, sigma_next, sample, **kw):
+        seen["log_prob"] = tuple(t.device.type for t in (x, v, sigma, sigma_next, sample))
+        return torch.zeros(x.shape[0], device=x.device), None, None
+
+    monkeypatch.setattr(tree_mod, "guided_velocity", velocity_spy)
+    monkeypatch.setattr(tree_mod, "step_log_prob", log_prob_spy)
+    edge_log_prob(_RowStub("meta"), ro, 1, torch.tensor([3, 4]))
+    assert seen == {"velocity": ("meta", "meta"), "log_prob": ("meta",) * 5}
+
+
+def test_tree_rollout_records_its_inputs_x0_and_int64_structure():
+    """tree_rollout records seed, configs, an empty int64 parent[0], int64 path codes at every depth and x0 = x - sigma
+    v of each leaf's parent at the last step (v = 0.5 x + c(prompt) here); a progress bar changes nothing."""
+    config = RolloutConfig(num_steps=3, kernel="flow_grpo", noise_level=0.7, micro_batch_size=2)
+    tree = TreeConfig(split_steps=[0, 1], split_noise_scale=2.0)
+    ro = tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree)
+    assert ro.seed == 4 and ro.config is config and ro.tree_config is tree
+    assert ro.parent[0].dtype == torch.long and ro.parent[0].shape == (0,)
+    assert [c.dtype for c in ro.codes] == [torch.long] * 4 and ro.codes[-1].tolist() == [0, 1, 2, 3] * 2
+    xp = ro.latents[2][ro.parent[3]]
+    c = torch.tensor([len(PROMPTS[t]) / 10 for t in ro.tree[3].tolist()], dtype=torch.float32)[:, None, None]
+    ref = xp - ro.sigmas[2].float() * (0.5 * xp + c)
+    assert ro.x0.dtype == torch.float32 and ro.x0.shape == (8, 2, 3)
+    torch.testing.assert_close(ro.x0, ref, rtol=0, atol=1e-6)
+    shown = tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree,
+                         progress=True)
+    assert all(torch.equal(a, b) for a, b in zip(shown.latents, ro.latents, strict=True))
+    assert torch.equal(shown.x0, ro.x0)
+
+
+def test_tree_rollout_rejects_an_ode_kernel_and_a_batch_over_the_frontier_budget():
+    """An "ode" kernel is refused (a tree needs stochastic splits); the frontier budget counts every tree of the
+    batch: 2 trees x 4 leaves over max_frontier=4 is refused though one tree fits."""
+    ode = RolloutConfig(num_steps=3, kernel="ode", micro_batch_size=2)
+    with pytest.raises(ValueError, match="kernel='ode'"):
+        tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=0, config=ode, tree=TreeConfig(split_steps=[0, 1]))
+    config = RolloutConfig(num_steps=3, kernel="dance_grpo", noise_level=0.3, micro_batch_size=2)
+    tree = TreeConfig(split_steps=[0, 1], max_frontier=4)
+    assert tree_rollout(_RowStub(), PROMPTS[:1], (2, 3), seed=0, config=config, tree=tree).leaves.shape == (4, 2, 3)
+    with pytest.raises(ValueError, match="2 trees x 4 leaves .* max_frontier=4"):
+        tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=0, config=config, tree=tree)
+
+
+def test_tree_mix_steps_are_euler_steps_with_scale_one():
+    """A deterministic (Mix) step moves every node by Euler, x + (sigma_{k+1} - sigma_k) v, with log-prob 0 and std
+    scale 1; split steps record kappa, other stochastic steps 1."""
+    config = RolloutConfig(num_steps=5, kernel="dance_grpo", noise_level=0.3, micro_batch_size=2)
+    tree = TreeConfig(split_steps=[0, 3], split_noise_scale=2.0, mix_window=1, mix_stride=30)
+    ro = tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=1, config=config, tree=tree)
+    assert ro.sde_mask.tolist() == [True, False, False, True, False]
+    assert ro.std_scales == [2.0, 1.0, 1.0, 2.0, 1.0]
+    sig = ro.sigmas.float()
+    for k in (1, 2, 4):
+        x = ro.latents[k][ro.parent[k + 1]]
+        c = torch.tensor([len(PROMPTS[t]) / 10 for t in ro.tree[k + 1].tolist()])[:, None, None]
+        torch.testing.assert_close(ro.latents[k + 1], x + (sig[k + 1] - sig[k]) * (0.5 * x + c), rtol=0, atol=1e-6)
+        assert ro.log_probs[k + 1].abs().sum() == 0
+
+
+def test_reference_split_log_prob_under_flow_grpo_is_recomputed_exactly():
+    """reference_split_log_prob under flow_grpo (a split at sigma_0 = 1, which needs sigma_at_one): the stored
+    log-prob of every edge is recomputed bitwise by edge_log_prob, whose split-step scale is 1."""
+    config = RolloutConfig(num_steps=3, kernel="flow_grpo", noise_level=0.7, micro_batch_size=2)
+    tree = TreeConfig(split_steps=[0, 1], split_noise_scale=2.0, reference_split_log_prob=True)
+    ro = tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree)
+    assert ro.sigmas[0] == 1.0 and ro.std_scales == [1.0, 1.0, 1.0]
+    assert all(bool(torch.isfinite(x).all()) for x in ro.latents)
+    for k in range(3):
+        lp, _ = edge_log_prob(_RowStub(), ro, k, torch.arange(ro.latents[k + 1].shape[0]))
+        assert torch.equal(lp, ro.log_probs[k + 1]), k
+
+
+def test_regenerate_leaf_draws_node_noise_on_the_generators_device(monkeypatch):
+    """Every node's step noise is drawn on the device of the nodes (the generator's: meta here, spies stand in for
+    the network and the step, which need values), as are the sigmas of the step."""
+    import genrl.rollout.tree as tree_mod
+
+    class _Stop(Exception):
+        pass
+
+    seen = []
+
+    def step_spy(kind, x, v, sigma, sigma_next, noise, **kw):
+        seen.append(tuple(t.device.type for t in (x, v, sigma, sigma_next, noise)) + tuple(noise.shape))
+        raise _Stop
+
+    monkeypatch.setattr(tree_mod, "guided_velocity", lambda generator, x, *args: torch.zeros_like(x))
+    monkeypatch.setattr(tree_mod, "sde_step", step_spy)
+    config = RolloutConfig(num_steps=2, kernel="dance_grpo", noise_level=0.3, micro_batch_size=2)
+    with pytest.raises(_Stop):
+        regenerate_leaf(_RowStub("meta"), PROMPTS[0], (2, 3), 1, 0, 1, config, TreeConfig(split_steps=[0]))
+    assert seen == [("meta",) * 5 + (1, 2, 3)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device next to the CPU")
+def test_tree_rollout_on_cuda_feeds_the_network_there_and_equals_the_cpu_rollout():
+    """A generator on CUDA gets its initial noise, nodes and sigmas there (all 7 micro-batch calls, x and sigma, on
+    CUDA); the recorded rollout (CPU tensors) equals the all-CPU rollout."""
+    config = RolloutConfig(num_steps=3, kernel="flow_grpo", noise_level=0.7, micro_batch_size=2)
+    tree = TreeConfig(split_steps=[0, 1], split_noise_scale=2.0)
+    gpu = _RowStub("cuda")
+    ro = tree_rollout(gpu, PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree)
+    ref = tree_rollout(_RowStub(), PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree)
+    assert len(gpu.seen) == 14 and {d.type for d in gpu.seen} == {"cuda"}
+    for a, b in zip(ro.latents + ro.log_probs + [ro.x0], ref.latents + ref.log_probs + [ref.x0], strict=True):
+        assert a.device.type == "cpu"
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_sde_mask_is_bool_and_ignores_splits_past_the_schedule():
+    """sde_mask is bool [num_steps] (all True without Mix); under Mix a split step at or past num_steps (checked
+    elsewhere by TreeConfig.check) is left out instead of indexing past the mask."""
+    plain = TreeConfig(split_steps=[0, 2]).sde_mask(4)
+    assert plain.dtype == torch.bool and plain.tolist() == [True] * 4
+    mask = TreeConfig(split_steps=[1, 4], mix_window=1, mix_stride=3).sde_mask(4)
+    assert mask.dtype == torch.bool and mask.tolist() == [True, True, False, True]
+
+
+def test_tree_config_bounds_name_the_bad_value():
+    """TreeConfig refuses split_noise_scale 0, a negative mix_window or a mix_stride of 0 (each alone) and
+    max_frontier 0, naming the field; the boundary values (a tiny scale, max_frontier 1) are accepted."""
+    with pytest.raises(ValueError, match="split_noise_scale must be > 0, got 0.0"):
+        TreeConfig(split_noise_scale=0.0)
+    with pytest.raises(ValueError, match="mix_window >= 0 .* got -1, 1"):
+        TreeConfig(mix_window=-1)
+    with pytest.raises(ValueError, match="mix_stride >= 1, got 0, 0"):
+        TreeConfig(mix_stride=0)
+    with pytest.raises(ValueError, match="max_frontier must be >= 1, got 0"):
+        TreeConfig(max_frontier=0)
+    ok = TreeConfig(split_steps=[0], split_noise_scale=1e-3, max_frontier=1)
+    assert ok.split_noise_scale == 1e-3 and ok.max_frontier == 1

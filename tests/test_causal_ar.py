@@ -378,6 +378,57 @@ def test_teacher_forced_velocity_equals_block_causal_forward_on_clean_context():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in gen.transformer.parameters())
 
 
+class _TeacherStub:
+    """A causal generator without ``frame_dim`` (frames on axis 1 by default) and without a network: each chunk's
+    velocity is x * sigma + (number of chunks committed so far); calls and commits are logged."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.commits: list[tuple] = []
+
+    def init_cache(self, batch_size, causal):
+        return []
+
+    def velocity_chunk(self, x, sigma, cond, cache):
+        self.calls.append((x, sigma))
+        return x * sigma.reshape(-1, *([1] * (x.ndim - 1))) + len(cache)
+
+    def commit(self, x, sigma, cond, cache):
+        self.commits.append((x, sigma))
+        cache.append(x.shape[1])
+
+
+def test_teacher_forced_velocity_default_frame_axis_first_chunk_and_per_sample_sigma():
+    """A generator without frame_dim gets frames on axis 1; with a first chunk of 4 frames, a per-sample sigma [B]
+    and context_sigma 1/3, chunk k sees x_t's frames of chunk k and k committed chunks, and each clean x0 chunk is
+    committed at sigma 1/3 in x0's dtype."""
+    gen = _TeacherStub()
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(2, 6, 3, dtype=torch.float64, generator=g)  # 3 frames on axis 2: no chunk boundary there
+    x_t = torch.randn(2, 6, 3, dtype=torch.float64, generator=g)
+    sigma = torch.rand(2, dtype=torch.float64, generator=g) + 1 / 3
+    v = teacher_forced_velocity(gen, x0, x_t, sigma, None, CausalConfig(2, first_chunk_size=4), context_sigma=1 / 3)
+    ref = torch.cat([x_t[:, :4] * sigma[:, None, None], x_t[:, 4:] * sigma[:, None, None] + 1], 1)
+    assert v.dtype == torch.float64 and v.shape == x_t.shape
+    torch.testing.assert_close(v, ref, rtol=0, atol=1e-12)
+    assert [(torch.equal(x, x_t[:, a:b]), torch.equal(s, sigma)) for (x, s), (a, b) in
+            zip(gen.calls, [(0, 4), (4, 6)], strict=True)] == [(True, True)] * 2
+    third = torch.full((2,), 1 / 3, dtype=torch.float64)
+    assert [(torch.equal(x, x0[:, a:b]), s.dtype, torch.equal(s, third)) for (x, s), (a, b) in
+            zip(gen.commits, [(0, 4), (4, 6)], strict=True)] == [(True, torch.float64, True)] * 2
+
+
+def test_teacher_forced_velocity_commits_the_context_sigma_on_the_latents_device():
+    """The context sigma of every commit is made on x0's device (meta here) in x0's dtype (bfloat16); the velocity
+    keeps x_t's shape and device."""
+    gen = _TeacherStub()
+    x0 = torch.empty(2, 4, 3, dtype=torch.bfloat16, device="meta")
+    v = teacher_forced_velocity(gen, x0, torch.empty_like(x0), torch.empty(2, device="meta"), None,
+                                CausalConfig(2), context_sigma=0.25)
+    assert v.shape == x0.shape and v.device.type == "meta"
+    assert [(s.device.type, s.dtype, tuple(s.shape)) for _, s in gen.commits] == [("meta", torch.bfloat16, (2,))] * 2
+
+
 # ------------------------------------------------------------------------------------------------ switch / fork
 # A causal stub without a network: each commit is logged (start frame, x, sigma, prompts) and stores one token per
 # latent frame whose key is the committed frame's mean, so the cache's frames and contents can be read back exactly.

@@ -250,6 +250,21 @@ def test_tree_node_noise_is_addressed_by_tree_path_and_step(monkeypatch):
         assert torch.equal(out[0], table[(int(ro.tree_indices[t]), path[k], k)]), k
 
 
+def test_tree_node_noise_address_is_pinned(monkeypatch):
+    """The pinned address of the noise of a tree node at depth k: run seed, sample index mix_seed(tree index, the
+    node's path code, 0x7E2), step k (changing it changes every tree rollout of a resumed run)."""
+    calls = _spy(monkeypatch, tree_mod)
+    config = RolloutConfig(num_steps=2, kernel="dance_grpo", noise_level=0.3, micro_batch_size=4)
+    ro = tree_rollout(_StubGenerator(), PROMPTS[:2], (2, 3), seed=3, tree_indices=[5, 9], config=config,
+                      tree=TreeConfig(split_steps=[0], branch_factor=2))
+    assert [c[1]["step"] for c in calls] == [0, 1, 2]
+    for k in (1, 2):
+        address = [mix_seed(int(ro.tree_indices[t]), c, 0x7E2) for t, c in zip(ro.tree[k].tolist(),
+                                                                                  ro.codes[k].tolist())]
+        assert list(calls[k][0][2]) == address
+        assert torch.equal(calls[k][2], randn_per_sample((2, 3), 3, address, step=k)), k
+
+
 # ------------------------------------------------------------------------------------------------ autoregressive
 
 
