@@ -5,6 +5,9 @@ Invariants listed in docs/methods/distillation.md and docs/methods/forward_rl.md
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +24,7 @@ from genrl.flow import (
 )
 from genrl.models import Conditioning, VideoDiscriminator
 
-F64 = torch.float64
+F64, F32 = torch.float64, torch.float32
 SHAPE = (3, 6, 4, 4, 4)  # [B, T, C, H, W]
 
 
@@ -92,6 +95,36 @@ def test_bt_rejects_mismatched_shapes_and_bad_reduction():
         bt_loss(torch.zeros(4), torch.zeros(4), reduction="max")
 
 
+@pytest.mark.parametrize("which", ["score_pos", "score_neg"])
+def test_bt_loss_float64_in_either_score_gives_float64(which):
+    """bt_loss is float64 when either score is float64 (1/3-offset values), equal to a float64 reference at 1e-12."""
+    args = {"score_pos": _randn(7, seed=15, dtype=F32), "score_neg": _randn(7, seed=16, dtype=F32)}
+    args[which] = _randn(7, seed=17) + 1 / 3
+    ref = F.softplus(-(args["score_pos"].double() - args["score_neg"].double()))
+    out = bt_loss(**args, reduction="none")
+    assert out.dtype == F64
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_bt_loss_half_scores_are_computed_in_float32(half):
+    """bt_loss of two half-precision scores is float32, the softplus of the float32 gap."""
+    pos, neg = _randn(6, seed=18, dtype=half), _randn(6, seed=19, dtype=half)
+    out = bt_loss(pos, neg, reduction="none")
+    assert out.dtype == F32
+    torch.testing.assert_close(out, F.softplus(-(pos.float() - neg.float())), rtol=0, atol=0)
+
+
+def test_bt_loss_errors_name_score_pos_and_score_neg():
+    """bt_loss's shape and type errors name score_pos and score_neg."""
+    with pytest.raises(ValueError, match=r"^score_pos of shape \(4,\) and score_neg of shape \(4, 1\) must match"):
+        bt_loss(torch.zeros(4), torch.zeros(4, 1))
+    with pytest.raises(TypeError, match="^score_pos must be a torch.Tensor, got list"):
+        bt_loss([0.0, 1.0], torch.zeros(2))
+    with pytest.raises(TypeError, match="^score_neg must be a torch.Tensor, got list"):
+        bt_loss(torch.zeros(2), [0.0, 1.0])
+
+
 # ----------------------------------------------------------------------------------------------
 # R1 / R2
 
@@ -120,6 +153,43 @@ def test_gradient_penalty_errors():
     xg = x.clone().requires_grad_(True)
     with pytest.raises(ValueError, match=r"scores of shape \(3, 1\)"):
         r1_penalty(xg.sum(1, keepdim=True), xg)
+
+
+@pytest.mark.parametrize("fn", [r1_penalty, r2_penalty])
+def test_gradient_penalty_one_dim_inputs_and_a_single_sample(fn):
+    """[B] inputs (one scalar per sample) and a batch of one are valid: the penalty is mean_b ||dD/dx_b||^2."""
+    x = _randn(5, seed=20).requires_grad_(True)
+    torch.testing.assert_close(fn(1.5 * x.square(), x), (3 * x.detach()).square().mean(), rtol=0, atol=1e-12)
+    w = _randn(1, 4, seed=21)
+    x1 = _randn(1, 4, seed=22).requires_grad_(True)
+    torch.testing.assert_close(fn((x1 * w).sum(1), x1), w.square().sum(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn,name", [(r1_penalty, "r1_penalty"), (r2_penalty, "r2_penalty")])
+def test_gradient_penalty_rejects_empty_or_0d_inputs_and_non_tensors(fn, name):
+    """An empty batch or 0-d inputs raise ValueError, a non-tensor argument TypeError, each naming the penalty."""
+    x0 = torch.zeros(0, 3, dtype=F64, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"^{name}: inputs must have a non-empty batch dim, got shape \(0, 3\)"):
+        fn(x0.sum(1), x0)
+    xs = torch.tensor(2.0, dtype=F64, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"^{name}: inputs must have a non-empty batch dim, got shape \(\)"):
+        fn(xs.reshape(1), xs)
+    x = _randn(2, 3, seed=23).requires_grad_(True)
+    with pytest.raises(TypeError, match=rf"^{name}: scores and inputs must be torch.Tensors"):
+        fn([1.0, 2.0], x)
+    with pytest.raises(TypeError, match=rf"^{name}: scores and inputs must be torch.Tensors"):
+        fn(x.sum(1), x.tolist())
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_gradient_penalty_half_precision_gradients_give_float32(half):
+    """Half-precision inputs / gradients give a float32 penalty, the float32 sum of the exact squared gradients."""
+    w = _randn(3, 4, seed=24, dtype=half)
+    x = _randn(2, 3, 4, seed=25, dtype=half).requires_grad_(True)
+    for fn in (r1_penalty, r2_penalty):
+        pen = fn((x * w).flatten(1).sum(1), x)  # dD/dx_b = w exactly
+        assert pen.dtype == F32
+        torch.testing.assert_close(pen, w.float().square().sum(), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,6 +261,40 @@ def test_advantage_errors():
         centered_advantages(torch.ones(2, 2, 2))
     with pytest.raises(ValueError, match="clip_c"):
         advantage_to_r(torch.ones(3), clip_c=-1.0)
+
+
+def test_centered_advantages_single_sample_is_zero_and_empty_d_raises():
+    """A single sample gets A = 0 exactly (float64 for float64 d); an empty d raises ValueError naming its shape."""
+    for d in (torch.tensor([3.0], dtype=F64), torch.tensor([[1.5]], dtype=F64)):
+        a = centered_advantages(d)
+        assert a.dtype == F64 and torch.equal(a, torch.zeros_like(d))
+    with pytest.raises(ValueError, match=r"^d must be a non-empty \[B\] or \[B, T\] tensor, got shape \(0,\)"):
+        centered_advantages(torch.zeros(0, dtype=F64))
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -1e-9, "0.1", None])
+def test_centered_advantages_eps_must_be_a_finite_nonnegative_number(bad):
+    """eps = inf, NaN, a negative, a string or None raises ValueError naming eps and the bad value."""
+    with pytest.raises(ValueError, match="^eps must be a finite number >= 0, got " + re.escape(repr(bad))):
+        centered_advantages(_randn(4, seed=26), eps=bad)
+
+
+def test_centered_advantages_clip_error_names_clip():
+    """A non-positive clip raises ValueError naming clip."""
+    with pytest.raises(ValueError, match=r"^clip must be a finite number > 0, got -1.0"):
+        centered_advantages(_randn(4, seed=27), clip=-1.0)
+
+
+def test_centered_advantages_group_errors_give_shape_type_and_dtype():
+    """A bad group raises ValueError naming group and giving its shape, its type or its dtype."""
+    d = _randn(3, seed=28)
+    with pytest.raises(ValueError, match=r"^group must be an integer tensor \[B\] = \[3\], got \(4,\)$"):
+        centered_advantages(d, group=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^group must be an integer tensor \[B\] = \[3\], got list$"):
+        centered_advantages(d, group=[0, 0, 1])
+    for dtype in (F32, torch.bool):
+        with pytest.raises(ValueError, match=rf"^group must be an integer tensor, got dtype {dtype}$"):
+            centered_advantages(d, group=torch.zeros(3, dtype=dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,6 +443,23 @@ def test_ref_regularizer():
     torch.testing.assert_close(
         ref_regularizer(v, v_ref, mask=mask), ref_regularizer(v[:, 1:], v_ref[:, 1:]), rtol=1e-12, atol=0
     )
+
+
+def test_ref_regularizer_mask_on_wan_frame_dim():
+    """With frame_dim=2 the [B, T] mask selects frames on dim 2 of [B, C, T, H, W]: float64 per-sample masked mean."""
+    v, v_ref = _randn(2, 3, 4, 2, 2, seed=72), _randn(2, 3, 4, 2, 2, seed=73)
+    mask = torch.tensor([[True, False, True, True], [False, False, True, False]])
+    sq = (v - v_ref).square()
+    ref = torch.stack([sq[b][:, mask[b]].mean() for b in range(2)]).mean()
+    torch.testing.assert_close(ref_regularizer(v, v_ref, mask=mask, frame_dim=2), ref, rtol=0, atol=1e-12)
+
+
+def test_ref_regularizer_errors_name_v_theta_and_v_ref():
+    """ref_regularizer's shape and type errors name v_theta and v_ref."""
+    with pytest.raises(ValueError, match=r"^v_theta of shape \(2, 3\) and v_ref of shape \(2, 4\) must match"):
+        ref_regularizer(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="^v_theta must be a torch.Tensor, got list"):
+        ref_regularizer([0.0, 1.0], torch.zeros(2))
 
 
 # ----------------------------------------------------------------------------------------------
