@@ -5,6 +5,9 @@ Invariants listed in docs/methods/distillation.md and docs/methods/forward_rl.md
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +24,7 @@ from genrl.flow import (
 )
 from genrl.models import Conditioning, VideoDiscriminator
 
-F64 = torch.float64
+F64, F32 = torch.float64, torch.float32
 SHAPE = (3, 6, 4, 4, 4)  # [B, T, C, H, W]
 
 
@@ -92,6 +95,36 @@ def test_bt_rejects_mismatched_shapes_and_bad_reduction():
         bt_loss(torch.zeros(4), torch.zeros(4), reduction="max")
 
 
+@pytest.mark.parametrize("which", ["score_pos", "score_neg"])
+def test_bt_loss_float64_in_either_score_gives_float64(which):
+    """bt_loss is float64 when either score is float64 (1/3-offset values), equal to a float64 reference at 1e-12."""
+    args = {"score_pos": _randn(7, seed=15, dtype=F32), "score_neg": _randn(7, seed=16, dtype=F32)}
+    args[which] = _randn(7, seed=17) + 1 / 3
+    ref = F.softplus(-(args["score_pos"].double() - args["score_neg"].double()))
+    out = bt_loss(**args, reduction="none")
+    assert out.dtype == F64
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_bt_loss_half_scores_are_computed_in_float32(half):
+    """bt_loss of two half-precision scores is float32, the softplus of the float32 gap."""
+    pos, neg = _randn(6, seed=18, dtype=half), _randn(6, seed=19, dtype=half)
+    out = bt_loss(pos, neg, reduction="none")
+    assert out.dtype == F32
+    torch.testing.assert_close(out, F.softplus(-(pos.float() - neg.float())), rtol=0, atol=0)
+
+
+def test_bt_loss_errors_name_score_pos_and_score_neg():
+    """bt_loss's shape and type errors name score_pos and score_neg."""
+    with pytest.raises(ValueError, match=r"^score_pos of shape \(4,\) and score_neg of shape \(4, 1\) must match"):
+        bt_loss(torch.zeros(4), torch.zeros(4, 1))
+    with pytest.raises(TypeError, match="^score_pos must be a torch.Tensor, got list"):
+        bt_loss([0.0, 1.0], torch.zeros(2))
+    with pytest.raises(TypeError, match="^score_neg must be a torch.Tensor, got list"):
+        bt_loss(torch.zeros(2), [0.0, 1.0])
+
+
 # ----------------------------------------------------------------------------------------------
 # R1 / R2
 
@@ -120,6 +153,43 @@ def test_gradient_penalty_errors():
     xg = x.clone().requires_grad_(True)
     with pytest.raises(ValueError, match=r"scores of shape \(3, 1\)"):
         r1_penalty(xg.sum(1, keepdim=True), xg)
+
+
+@pytest.mark.parametrize("fn", [r1_penalty, r2_penalty])
+def test_gradient_penalty_one_dim_inputs_and_a_single_sample(fn):
+    """[B] inputs (one scalar per sample) and a batch of one are valid: the penalty is mean_b ||dD/dx_b||^2."""
+    x = _randn(5, seed=20).requires_grad_(True)
+    torch.testing.assert_close(fn(1.5 * x.square(), x), (3 * x.detach()).square().mean(), rtol=0, atol=1e-12)
+    w = _randn(1, 4, seed=21)
+    x1 = _randn(1, 4, seed=22).requires_grad_(True)
+    torch.testing.assert_close(fn((x1 * w).sum(1), x1), w.square().sum(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn,name", [(r1_penalty, "r1_penalty"), (r2_penalty, "r2_penalty")])
+def test_gradient_penalty_rejects_empty_or_0d_inputs_and_non_tensors(fn, name):
+    """An empty batch or 0-d inputs raise ValueError, a non-tensor argument TypeError, each naming the penalty."""
+    x0 = torch.zeros(0, 3, dtype=F64, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"^{name}: inputs must have a non-empty batch dim, got shape \(0, 3\)"):
+        fn(x0.sum(1), x0)
+    xs = torch.tensor(2.0, dtype=F64, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"^{name}: inputs must have a non-empty batch dim, got shape \(\)"):
+        fn(xs.reshape(1), xs)
+    x = _randn(2, 3, seed=23).requires_grad_(True)
+    with pytest.raises(TypeError, match=rf"^{name}: scores and inputs must be torch.Tensors"):
+        fn([1.0, 2.0], x)
+    with pytest.raises(TypeError, match=rf"^{name}: scores and inputs must be torch.Tensors"):
+        fn(x.sum(1), x.tolist())
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_gradient_penalty_half_precision_gradients_give_float32(half):
+    """Half-precision inputs / gradients give a float32 penalty, the float32 sum of the exact squared gradients."""
+    w = _randn(3, 4, seed=24, dtype=half)
+    x = _randn(2, 3, 4, seed=25, dtype=half).requires_grad_(True)
+    for fn in (r1_penalty, r2_penalty):
+        pen = fn((x * w).flatten(1).sum(1), x)  # dD/dx_b = w exactly
+        assert pen.dtype == F32
+        torch.testing.assert_close(pen, w.float().square().sum(), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,6 +261,59 @@ def test_advantage_errors():
         centered_advantages(torch.ones(2, 2, 2))
     with pytest.raises(ValueError, match="clip_c"):
         advantage_to_r(torch.ones(3), clip_c=-1.0)
+
+
+def test_centered_advantages_single_sample_is_zero_and_empty_d_raises():
+    """A single sample gets A = 0 exactly (float64 for float64 d); an empty d raises ValueError naming its shape."""
+    for d in (torch.tensor([3.0], dtype=F64), torch.tensor([[1.5]], dtype=F64)):
+        a = centered_advantages(d)
+        assert a.dtype == F64 and torch.equal(a, torch.zeros_like(d))
+    with pytest.raises(ValueError, match=r"^d must be a non-empty \[B\] or \[B, T\] tensor, got shape \(0,\)"):
+        centered_advantages(torch.zeros(0, dtype=F64))
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, -1e-9, "0.1", None])
+def test_centered_advantages_eps_must_be_a_finite_nonnegative_number(bad):
+    """eps = inf, NaN, a negative, a string or None raises ValueError naming eps and the bad value."""
+    with pytest.raises(ValueError, match="^eps must be a finite number >= 0, got " + re.escape(repr(bad))):
+        centered_advantages(_randn(4, seed=26), eps=bad)
+
+
+def test_centered_advantages_clip_error_names_clip():
+    """A non-positive clip raises ValueError naming clip."""
+    with pytest.raises(ValueError, match=r"^clip must be a finite number > 0, got -1.0"):
+        centered_advantages(_randn(4, seed=27), clip=-1.0)
+
+
+def test_centered_advantages_group_errors_give_shape_type_and_dtype():
+    """A bad group raises ValueError naming group and giving its shape, its type or its dtype."""
+    d = _randn(3, seed=28)
+    with pytest.raises(ValueError, match=r"^group must be an integer tensor \[B\] = \[3\], got \(4,\)$"):
+        centered_advantages(d, group=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^group must be an integer tensor \[B\] = \[3\], got list$"):
+        centered_advantages(d, group=[0, 0, 1])
+    for dtype in (F32, torch.bool):
+        with pytest.raises(ValueError, match=rf"^group must be an integer tensor, got dtype {dtype}$"):
+            centered_advantages(d, group=torch.zeros(3, dtype=dtype))
+
+
+def test_advantage_to_r_dtypes_and_errors():
+    """advantage_to_r is float64 for float64 A and float32 for bf16 A (exact values); NaN A, a bad clip_c and a
+    non-tensor raise errors naming advantages / clip_c."""
+    a64 = 3 * _randn(9, seed=29) + 1 / 3
+    r64 = advantage_to_r(a64)
+    assert r64.dtype == F64
+    torch.testing.assert_close(r64, 0.5 + a64.clamp(-5.0, 5.0) / 10.0, rtol=0, atol=1e-12)
+    a16 = _randn(9, seed=30, dtype=torch.bfloat16)
+    r16 = advantage_to_r(a16, clip_c=0.75)
+    assert r16.dtype == F32
+    torch.testing.assert_close(r16, 0.5 + a16.float().clamp(-0.75, 0.75) / 1.5, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="^advantages hold NaN"):
+        advantage_to_r(torch.tensor([0.5, float("nan")]))
+    with pytest.raises(ValueError, match="^clip_c must be a finite number > 0, got 0.0"):
+        advantage_to_r(torch.zeros(2), clip_c=0.0)
+    with pytest.raises(TypeError, match="^advantages must be a torch.Tensor, got list"):
+        advantage_to_r([0.5])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +450,141 @@ def test_nft_errors():
         mask[1] = False
         nft_loss(v_old, v_old, x_t, x0, sigma, r, mask=mask)
 
+def _nft_reference(v, v_old, x_t, x0, sigma, r, beta, c, adaptive, floor=1e-5):
+    """DiffusionNFT loss in float64 from nft_loss's docstring formula (per-sample r and sigma, or a float sigma)."""
+    v, v_old, x_t, x0 = (z.detach().double() for z in (v, v_old, x_t, x0))
+    b = v.shape[0]
+    bcast = (b,) + (1,) * (v.ndim - 1)
+    s = sigma.detach().double().reshape(bcast) if isinstance(sigma, torch.Tensor) else float(sigma)
+    r = r.detach().double().reshape(bcast)
+    v_pos, v_neg = beta * v + (1 - beta) * v_old, (1 + beta) * v_old - beta * v
+
+    def q(vv):
+        if adaptive:
+            res = x_t - s * vv - x0
+            return res.square() / res.abs().reshape(b, -1).mean(1).clamp_min(floor).reshape(bcast)
+        return (vv - (x_t - x0) / s).square()
+
+    return (c / beta) * (r * q(v_pos) + (1 - r) * q(v_neg)).reshape(b, -1).mean(1).mean()
+
+
+def test_nft_loss_defaults_are_beta_1_clip_5_adaptive_with_floor_1e_minus_5():
+    """With every knob left at its default nft_loss is the adaptive loss with beta = 1, C = 5 and floor 1e-5."""
+    v_old, x_t, x0, eps, sigma = _nft_batch()
+    v = v_old + 0.2 * _randn(*SHAPE, seed=80)
+    u = eps - x0
+    v_old[0] = u[0] + 1e-6 * _randn(*SHAPE[1:], seed=81)  # sample 0: mean |residual| < 1e-5, the floor acts
+    v[0] = u[0] + 1e-6 * _randn(*SHAPE[1:], seed=82)
+    r = _rand(SHAPE[0], seed=83)
+    ref = _nft_reference(v, v_old, x_t, x0, sigma, r, beta=1.0, c=5.0, adaptive=True, floor=1e-5)
+    torch.testing.assert_close(nft_loss(v, v_old, x_t, x0, sigma, r), ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+@pytest.mark.parametrize("which", ["v_theta", "v_old", "x_t", "x0", "sigma", "r"])
+def test_nft_loss_float64_in_any_input_gives_float64(which, adaptive):
+    """nft_loss is float64 when any one input is float64 (1/3-offset values, the others float32 and a python-float
+    sigma of 1/3), equal to the float64 reference at 1e-12."""
+    args = {name: _randn(*SHAPE, seed=84 + i, dtype=F32) for i, name in enumerate(("v_theta", "v_old", "x_t", "x0"))}
+    args["sigma"] = 1 / 3
+    args["r"] = _rand(SHAPE[0], seed=88, dtype=F32)
+    if which == "sigma":
+        args["sigma"] = 0.2 + _rand(SHAPE[0], seed=89) / 3
+    elif which == "r":
+        args["r"] = 1 / 3 + _rand(SHAPE[0], seed=89) / 3
+    else:
+        args[which] = _randn(*SHAPE, seed=89) + 1 / 3
+    out = nft_loss(**args, beta=0.3, clip_c=5.0, adaptive=adaptive)
+    assert out.dtype == F64
+    ref = _nft_reference(*args.values(), beta=0.3, c=5.0, adaptive=adaptive)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+@pytest.mark.parametrize("v_dtype", [F32, torch.bfloat16])
+def test_nft_loss_float32_and_half_inputs_give_float32(v_dtype, adaptive):
+    """Float32 inputs with a float32 or bf16 v_theta give a float32 loss, computed in float32 (reference 1e-5)."""
+    v_old, x_t, x0, _, sigma = (z.float() for z in _nft_batch())
+    v = (v_old + 0.2 * _randn(*SHAPE, seed=90, dtype=F32)).to(v_dtype)
+    r = _rand(SHAPE[0], seed=91, dtype=F32)
+    out = nft_loss(v, v_old, x_t, x0, sigma, r, beta=0.3, adaptive=adaptive)
+    assert out.dtype == F32
+    ref = _nft_reference(v, v_old, x_t, x0, sigma, r, beta=0.3, c=5.0, adaptive=adaptive)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_nft_loss_is_differentiable_in_v_theta_only(adaptive):
+    """No gradient reaches v_old, x_t, x0, a tensor sigma or r (all detached); v_theta gets one."""
+    v_old, x_t, x0, _, sigma = _nft_batch()
+    others = [z.clone().requires_grad_(True) for z in (v_old, x_t, x0, sigma, _rand(SHAPE[0], seed=92))]
+    v = (v_old + 0.1).requires_grad_(True)
+    loss = nft_loss(v, *others, adaptive=adaptive)
+    grads = torch.autograd.grad(loss, [v, *others], allow_unused=True)
+    assert grads[0] is not None and all(g is None for g in grads[1:])
+
+
+def test_nft_loss_errors_name_the_offending_argument():
+    """Shape errors name v_theta and the mismatched tensor, parameter errors the parameter; NaN r is rejected."""
+    v_old, x_t, x0, _, sigma = _nft_batch()
+    r = torch.full((SHAPE[0],), 0.5, dtype=F64)
+    good = {"v_theta": v_old, "v_old": v_old, "x_t": x_t, "x0": x0}
+    for name in ("v_old", "x_t", "x0"):
+        bad = dict(good, **{name: good[name][:, 1:]})
+        msg = rf"^v_theta of shape \(3, 6, 4, 4, 4\) and {name} of shape \(3, 5, 4, 4, 4\)"
+        with pytest.raises(ValueError, match=msg):
+            nft_loss(**bad, sigma=sigma, r=r)
+    for name, value in (("beta", 0.0), ("clip_c", -1.0), ("min_normalizer", math.inf)):
+        with pytest.raises(ValueError, match=rf"^{name} must be a finite number > 0, got {value!r}"):
+            nft_loss(**good, sigma=sigma, r=r, **{name: value})
+    with pytest.raises(ValueError, match=r"^r must lie in \[0, 1\]"):
+        nft_loss(**good, sigma=sigma, r=torch.tensor([0.5, float("nan"), 0.5], dtype=F64))
+
+
+def test_nft_velocity_form_rejects_zero_sigma_on_a_masked_in_frame_and_reports_it():
+    """Velocity form: sigma = 0 on a masked-in frame raises ValueError giving that sigma (0.0); on a masked-out
+    frame it is allowed."""
+    v_old, x_t, x0, _, sigma = _nft_batch(per_frame_sigma=True)
+    r = _rand(SHAPE[0], seed=93)
+    mask = torch.ones(SHAPE[:2], dtype=torch.bool)
+    mask[1, 2] = False
+    bad = sigma.clone()
+    bad[0, 3] = 0.0
+    with pytest.raises(ValueError, match=r"needs sigma > 0 on every masked-in element .*, got sigma = 0.0;"):
+        nft_loss(v_old, v_old, x_t, x0, bad, r, adaptive=False, mask=mask)
+    ok = sigma.clone()
+    ok[1, 2] = 0.0
+    loss = nft_loss(v_old, v_old, x_t, x0, ok, r, adaptive=False, mask=mask)
+    assert torch.isfinite(loss)
+
+
+def test_nft_adaptive_normaliser_is_taken_in_float64_for_float32_inputs():
+    """Float32 adaptive nft_loss equals bit for bit the float32 recipe whose normaliser mean |e| is taken in float64
+    (wide-range data, on which a float32 mean rounds differently)."""
+    beta, c, floor = 0.3, 5.0, 1e-5
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        shape = (4, 3, 16, 16, 16)
+        x0 = torch.randn(shape, generator=g) * torch.rand(shape, generator=g).mul(12).exp()
+        eps = torch.randn(shape, generator=g)
+        sigma = torch.rand(4, generator=g) * 0.8 + 0.1
+        s = sigma.reshape(4, 1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * eps
+        v_old = eps - x0 + torch.randn(shape, generator=g)
+        v = v_old + 0.3 * torch.randn(shape, generator=g)
+        r = torch.rand(4, generator=g)
+        re = r.reshape(4, 1, 1, 1, 1)
+
+        def q(vv, x_t=x_t, x0=x0, s=s):
+            res = x_t - s * vv - x0
+            norm = res.double().abs().reshape(4, -1).mean(dim=1).clamp_min(floor).to(F32).reshape(4, 1, 1, 1, 1)
+            return res.square() / norm
+
+        el = re * q(beta * v + (1.0 - beta) * v_old) + (1.0 - re) * q((1.0 + beta) * v_old - beta * v)
+        expected = (c / beta) * el.reshape(4, -1).mean(dim=1).mean()
+        out = nft_loss(v, v_old, x_t, x0, sigma, r, beta=beta, clip_c=c)
+        assert out.dtype == F32 and torch.equal(out, expected), seed
+
 
 def test_ref_regularizer():
     v, v_ref = _randn(*SHAPE, seed=70).requires_grad_(True), _randn(*SHAPE, seed=71)
@@ -339,6 +597,23 @@ def test_ref_regularizer():
     torch.testing.assert_close(
         ref_regularizer(v, v_ref, mask=mask), ref_regularizer(v[:, 1:], v_ref[:, 1:]), rtol=1e-12, atol=0
     )
+
+
+def test_ref_regularizer_mask_on_wan_frame_dim():
+    """With frame_dim=2 the [B, T] mask selects frames on dim 2 of [B, C, T, H, W]: float64 per-sample masked mean."""
+    v, v_ref = _randn(2, 3, 4, 2, 2, seed=72), _randn(2, 3, 4, 2, 2, seed=73)
+    mask = torch.tensor([[True, False, True, True], [False, False, True, False]])
+    sq = (v - v_ref).square()
+    ref = torch.stack([sq[b][:, mask[b]].mean() for b in range(2)]).mean()
+    torch.testing.assert_close(ref_regularizer(v, v_ref, mask=mask, frame_dim=2), ref, rtol=0, atol=1e-12)
+
+
+def test_ref_regularizer_errors_name_v_theta_and_v_ref():
+    """ref_regularizer's shape and type errors name v_theta and v_ref."""
+    with pytest.raises(ValueError, match=r"^v_theta of shape \(2, 3\) and v_ref of shape \(2, 4\) must match"):
+        ref_regularizer(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="^v_theta must be a torch.Tensor, got list"):
+        ref_regularizer([0.0, 1.0], torch.zeros(2))
 
 
 # ----------------------------------------------------------------------------------------------
