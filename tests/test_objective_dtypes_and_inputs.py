@@ -507,6 +507,14 @@ def test_awm_weight_float64_t_or_ell_gives_float64(weighting):
     assert awm_weight(ell32, 0.5, weighting).dtype == F32  # a python float t does not widen
     w64 = awm_weight(ell32.double() / 3, 1 / 3, weighting)
     assert w64.dtype == F64
+    torch.testing.assert_close(w64, awm_weight(ell32.double() / 3, torch.tensor(1 / 3, dtype=F64), weighting),
+                               rtol=0, atol=0)  # a python float t is taken in float64, not rounded to float32
+    # a bf16 t is widened to float32 before the arithmetic (t^2, t / p are not rounded in bf16)
+    t16 = torch.tensor([0.3, 0.55, 0.9], dtype=torch.bfloat16)
+    w16 = awm_weight(ell32, t16, "t2" if weighting == "uniform" else weighting)
+    ref16 = awm_weight(ell32, t16.float(), "t2" if weighting == "uniform" else weighting)
+    assert w16.dtype == F32
+    torch.testing.assert_close(w16, ref16, rtol=0, atol=0)
 
 
 def test_awm_weight_accepts_t_zero_one_sample_and_a_0d_tensor_t():
@@ -536,9 +544,9 @@ def test_awm_weight_rejects_bad_ell_t_and_parameters_naming_them():
         awm_weight(ell, True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^t must lie in \[0, 1\]"):
         awm_weight(ell, -0.01)
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(ValueError, match="^eps must be"):
         awm_weight(ell, 0.5, "ghuber", eps=0.0)
-    with pytest.raises(ValueError, match="huber_delta"):
+    with pytest.raises(ValueError, match="^huber_delta must be"):
         awm_weight(ell, 0.5, "huber", huber_delta=-1.0)
 
 
