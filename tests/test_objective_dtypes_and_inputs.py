@@ -557,3 +557,20 @@ def test_awm_loss_anchor_weights_must_be_finite_numbers_not_bools_or_strings(bad
     for name in ("beta", "beta_ema"):
         with pytest.raises(ValueError, match=f"^{name} must be a finite number >= 0, got {bad!r}"):
             awm_loss(v, v + 1, 0.5, torch.zeros(2, dtype=F64), v_ref=v, v_ema=v, **{name: bad})
+
+
+def test_batch_checks_accept_one_sample_and_reject_0d_and_empty_batches_naming_them():
+    """sample_mse: a batch of one sample is fine; a 0-d or an empty batch raises ValueError naming the input."""
+    from genrl.flow.fm_core import sample_mse
+
+    one = torch.tensor([[1.0, 3.0]], dtype=F64)
+    torch.testing.assert_close(sample_mse(one, torch.zeros_like(one)), torch.tensor([5.0], dtype=F64), rtol=0, atol=0)
+    for bad in (torch.tensor(1.0, dtype=F64), torch.zeros(0, 3, dtype=F64)):
+        with pytest.raises(ValueError, match=r"must have a non-empty batch dim, got shape"):
+            sample_mse(bad, bad.clone())
+
+
+def test_positive_parameters_reject_bools():
+    """A bool is not a number here: awm_weight(p=True) raises ValueError naming p (True would pass as 1)."""
+    with pytest.raises(ValueError, match=r"^p must be a finite number > 0, got True"):
+        awm_weight(torch.tensor([0.5], dtype=F64), 0.5, "ghuber", p=True)  # type: ignore[arg-type]
