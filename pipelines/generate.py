@@ -242,9 +242,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from genrl.data.prompts import PromptRecord, load_prompts
 
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
     records_in = [PromptRecord(p) for p in args.prompt]
     if args.prompts:
-        records_in += load_prompts(args.prompts)[: args.limit]
+        source = load_prompts(args.prompts)
+        if args.limit is not None and args.limit > len(source):
+            print(f"--limit {args.limit} asks for more prompts than --prompts {args.prompts!r} holds ({len(source)}); "
+                  f"using all {len(source)}", file=sys.stderr)
+        records_in += source[: args.limit]
     if not records_in:
         parser.error("give at least one --prompt or a --prompts source")
 

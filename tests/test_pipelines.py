@@ -372,3 +372,27 @@ def test_recorded_sampler_is_the_default_of_generate_and_shapes_eval(tiny_policy
     (model / "genrl_export.json").write_text(json.dumps({"sampling": {"steps": 2, "cfg_scale": 1.0, "shift": 1.5}}))
     out = module.main(["--model", str(model), "--text-encoder", tiny_text_encoder, "--num-prompts", "2"])
     assert (out["steps"], out["cfg_scale"], out["shift"]) == (2, 1.0, 1.5)
+
+
+def test_limit_beyond_the_prompt_source_says_so_and_a_limit_below_one_is_refused(tmp_path, monkeypatch, capsys):
+    """--limit larger than the source prints how many prompts are used; --limit 0 fails before anything loads."""
+    from genrl.data.prompts import load_prompts
+
+    _no_model(monkeypatch)
+    held_out = len(load_prompts("shapes:heldout"))
+    # stop right after the prompts are read: a --pretrained that is not a folder fails before any model
+    with pytest.raises(SystemExit):
+        generate.main(["--prompts", "shapes:heldout", "--limit", str(held_out + 100), "--pretrained",
+                       str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert f"--limit {held_out + 100} asks for more prompts than --prompts 'shapes:heldout' holds ({held_out})" in err
+    assert f"using all {held_out}" in err
+    with pytest.raises(SystemExit):
+        generate.main(["--prompts", "shapes:heldout", "--limit", "0", "--out", str(tmp_path / "o")])
+    assert "--limit must be >= 1, got 0" in capsys.readouterr().err
+    # a limit within the source is silent
+    with pytest.raises(SystemExit):
+        generate.main(["--prompts", "shapes:heldout", "--limit", str(held_out), "--pretrained",
+                       str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    assert "asks for more prompts" not in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
