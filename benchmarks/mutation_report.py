@@ -3,9 +3,9 @@
 Usage (from the repository root, after ``mutmut run``; see docs/testing.md)::
 
     python benchmarks/mutation_report.py                 # counts per file and in total, survivors not accepted
-    python benchmarks/mutation_report.py --check         # exit 1 if a survivor of genrl/flow or genrl/rollout is
-                                                         # not in tests/mutation_accepted.txt, or an entry's
-                                                         # reason is "no test yet"
+    python benchmarks/mutation_report.py --check         # exit 1 if a survivor (anywhere in the scope) is not in
+                                                         # tests/mutation_accepted.txt, an entry's reason is
+                                                         # "no test yet", or no mutant has been checked at all
     python benchmarks/mutation_report.py --json out.json # the counts as JSON (for benchmarks/RESULTS.md)
 
 The accepted list ``tests/mutation_accepted.txt`` has one mutant a line: ``<mutant name>  <reason>`` (the name as
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mutants", type=Path, default=ROOT / "mutants")
     parser.add_argument("--accepted", type=Path, default=ROOT / "tests" / "mutation_accepted.txt")
-    parser.add_argument("--check", action="store_true", help="fail on an unaccepted survivor in flow / rollout")
+    parser.add_argument("--check", action="store_true", help="fail on unaccepted survivors, bad reasons, empty run")
     parser.add_argument("--json", type=Path, help="write the counts here")
     parser.add_argument("--list", action="store_true", help="print every unaccepted survivor")
     parser.add_argument("--diffs", action="store_true", help="with --list: each survivor's diff (mutmut show)")
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     for source in sorted(per_file):
         c = per_file[source]
         total.update(c)
-        print(f"{source:42s} " + " ".join(f"{c[k]:11d}" for k in cols) + f"   {score(c):7.1%}")
-    print(f"{'total':42s} " + " ".join(f"{total[k]:11d}" for k in cols) + f"   {score(total):7.1%}")
+        print(f"{source:42s} " + " ".join(f"{c[k]:11d}" for k in cols) + f"   {_pct(c)}")
+    print(f"{'total':42s} " + " ".join(f"{total[k]:11d}" for k in cols) + f"   {_pct(total)}")
     print("score = (killed + timeout) / (checked mutants - accepted); accepted = survivors listed with a reason")
     strict = [u for u in unaccepted if u[0].startswith(STRICT)]
     if args.list:
@@ -122,8 +122,18 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"total": dict(total), "score": score(total),
                                          "per_file": {k: dict(v) for k, v in per_file.items()},
                                          "unaccepted": [u[1] for u in unaccepted]}, indent=1))
-    if args.check and (strict or bad_reasons):
-        return 1
+    if args.check:
+        if not args.list:
+            for _source, name, status in unaccepted:
+                print(f"  {status:9s} {name}")
+        if unaccepted:
+            print("each needs a test that kills it or a line in tests/mutation_accepted.txt with its reason; "
+                  "`mutmut show <name>` prints the change, `--list --diffs` prints them all")
+        if not _checked(total):
+            print("no mutant has been checked: did `mutmut run` match your glob (e.g. \"genrl.flow.policy.*\")?")
+            return 1
+        if unaccepted or bad_reasons:
+            return 1
     return 0
 
 
@@ -141,10 +151,19 @@ def _differ(root: Path):
     return diff
 
 
+def _checked(c: Counter) -> int:
+    return sum(v for k, v in c.items() if k not in ("not checked", "accepted", "skipped"))
+
+
 def score(c: Counter) -> float:
     """(killed + timeout) / (checked - accepted), 0 when nothing was checked."""
-    checked = sum(v for k, v in c.items() if k not in ("not checked", "accepted", "skipped"))
+    checked = _checked(c)
     return (c["killed"] + c["timeout"]) / checked if checked else 0.0
+
+
+def _pct(c: Counter) -> str:
+    """The score as a percentage, ``-`` when nothing in ``c`` was checked (not a score of 0)."""
+    return f"{score(c):7.1%}" if _checked(c) else f"{'-':>7s}"
 
 
 if __name__ == "__main__":

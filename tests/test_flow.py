@@ -431,3 +431,167 @@ def test_cfg_combine_upcasts_and_errors():
         cfg_combine(cond, uncond, torch.ones(3))
     with pytest.raises(ValueError, match=r"cond of shape \(2, 3\) and uncond of shape \(2, 4\)"):
         cfg_combine(cond, torch.zeros(2, 4), 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# flow_matching_loss contracts: an explicit per-sample, per-frame formula (mutation testing, issue 26)
+
+
+def _fm_weight(s: float, weighting: str) -> float:
+    if weighting == "none":
+        return 1.0
+    if weighting == "sigma_sqrt":
+        return max(s, 1e-3) ** -2
+    return 2.0 / (math.pi * (1 - 2 * s + 2 * s * s))
+
+
+def _fm_reference(v, x0, eps, sigma, weighting, mask, frame_dim):
+    """loss[b] = sum_{t, e in frame t} m[b, t] w(sigma[b, t]) (v - (eps - x0))^2 / sum m[b, t] * #e, by loops."""
+    fd = frame_dim % x0.ndim
+    se = (v.double() - (eps.double() - x0.double())).square()
+    b_n, t_n = x0.shape[0], x0.shape[fd]
+    out = []
+    for b in range(b_n):
+        num = den = 0.0
+        for t in range(t_n):
+            frame = se[b].select(fd - 1, t)
+            if isinstance(sigma, float):
+                s = sigma
+            elif sigma.ndim == 1:
+                s = float(sigma[b])
+            else:
+                s = float(sigma[b, t])
+            m = 1.0 if mask is None else float(mask[b, t])
+            if m > 0:
+                num += m * _fm_weight(s, weighting) * float(frame.sum())
+            den += m * frame.numel()
+        out.append(num / den)
+    return torch.tensor(out, dtype=F64)
+
+
+_FM_LAYOUTS = (((2, 3, 2, 4), 1), ((2, 2, 3, 4), 2), ((2, 2, 3, 4), -2), ((2, 3, 2, 1, 2), -4), ((2, 3), 1))
+
+
+@pytest.mark.parametrize("shape,frame_dim", _FM_LAYOUTS)
+@pytest.mark.parametrize("weighting", ["none", "sigma_sqrt", "cosmap"])
+@pytest.mark.parametrize("sigma_kind", ["float", "per_sample", "per_frame"])
+def test_flow_matching_loss_equals_the_explicit_formula(shape, frame_dim, weighting, sigma_kind):
+    """Every weighting, sigma form, frame layout (negative frame_dim too) and mask (bool, float weights,
+    one frame): the loss equals a per-frame loop in float64."""
+    g = _gen(12)
+    x0, eps, v = (torch.randn(shape, generator=g, dtype=F64) + 1 / 3 for _ in range(3))
+    t_n = shape[frame_dim % len(shape)]
+    sigma = {
+        "float": 0.3,
+        "per_sample": torch.tensor([0.2, 0.0005], dtype=F64),
+        "per_frame": torch.tensor([[0.1, 0.5, 0.9], [0.0, 0.7, 0.4]], dtype=F64)[:, :t_n],
+    }[sigma_kind]
+    masks = (
+        None,
+        torch.tensor([[True, False, True], [False, False, True]])[:, :t_n],
+        torch.tensor([[0.5, 0.0, 2.0], [0.0, 0.25, 0.0]], dtype=F64)[:, :t_n],  # weights; 0.25 on one frame only
+        torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float32)[:, :t_n],  # one frame each
+    )
+    for mask in masks:
+        loss = flow_matching_loss(v, x0, eps, sigma, weighting=weighting, mask=mask, frame_dim=frame_dim)
+        ref = _fm_reference(v, x0, eps, sigma, weighting, mask, frame_dim)
+        assert loss.dtype == F64 and loss.shape == (2,)
+        torch.testing.assert_close(loss, ref, rtol=1e-14, atol=1e-12)
+
+
+@pytest.mark.parametrize("f64", ["v_pred", "x0", "eps", "sigma"])
+def test_flow_matching_loss_dtype_contract_one_float64_input(f64):
+    """One float64 input (values float32 cannot represent) among float32 ones: float64 result equal to the
+    float64 formula; all float32 (or bf16) inputs give float32."""
+    g = _gen(13)
+    vals = {k: torch.randn(2, 3, 4, generator=g, dtype=F64) + 1 / 3 for k in ("v_pred", "x0", "eps")}
+    vals["sigma"] = torch.tensor([[0.2, 0.6, 0.9], [1 / 3, 0.5, 0.1]], dtype=F64)
+    args = {k: (t if k == f64 else t.float()) for k, t in vals.items()}
+    mask = torch.tensor([[1.0, 0.0, 0.5], [0.0, 2.0, 1.0]], dtype=torch.float32)
+    for weighting in ("none", "sigma_sqrt", "cosmap"):
+        for m in (None, mask):
+            loss = flow_matching_loss(args["v_pred"], args["x0"], args["eps"], args["sigma"], weighting, m)
+            assert loss.dtype == F64
+            ref = _fm_reference(args["v_pred"], args["x0"], args["eps"], args["sigma"], weighting, m, 1)
+            torch.testing.assert_close(loss, ref, rtol=1e-14, atol=1e-12)
+    f32 = {k: t.float() for k, t in vals.items()}
+    assert flow_matching_loss(f32["v_pred"], f32["x0"], f32["eps"], f32["sigma"], "cosmap", mask).dtype == torch.float32
+    bf = {k: t.bfloat16() for k, t in vals.items()}
+    assert flow_matching_loss(bf["v_pred"], bf["x0"], bf["eps"], 0.5, "cosmap", mask).dtype == torch.float32
+
+
+def test_flow_matching_loss_errors_name_the_bad_argument():
+    """Shape errors name x0 / eps with both shapes; a bad mask or frame_dim names the mask, frame_dim and the
+    expected [B, T] (numbers when frame_dim is valid)."""
+    v = torch.zeros(2, 4, 5, dtype=F64)
+    for name in ("x0", "eps"):
+        args = {"x0": v, "eps": v, name: torch.zeros(2, 4, 6, dtype=F64)}
+        with pytest.raises(ValueError, match=rf"^v_pred of shape \(2, 4, 5\) and {name} of shape \(2, 4, 6\) must"):
+            flow_matching_loss(v, args["x0"], args["eps"], 0.5)
+    for frame_dim, t_n in ((1, 4), (2, 5), (-1, 5), (-2, 4)):
+        with pytest.raises(ValueError, match=(
+            rf"^mask of shape \(2, 3\) does not fit latents of shape \(2, 4, 5\) with frame_dim={frame_dim}: "
+            rf"expected \[2, {t_n}\]$"
+        )):
+            flow_matching_loss(v, v, v, 0.5, mask=torch.ones(2, 3, dtype=torch.bool), frame_dim=frame_dim)
+    for frame_dim, mask_shape in ((0, (2, 2)), (3, (2, 5)), (-3, (2, 2)), (-4, (2, 4))):
+        with pytest.raises(ValueError, match=(
+            rf"^mask of shape \({mask_shape[0]}, {mask_shape[1]}\) does not fit latents of shape \(2, 4, 5\) "
+            rf"with frame_dim={frame_dim}: expected \[B, T\]$"
+        )):
+            flow_matching_loss(v, v, v, 0.5, mask=torch.ones(mask_shape, dtype=torch.bool), frame_dim=frame_dim)
+    # Wan layout: a per-frame sigma is matched against frame_dim (T = 3 on dim 2, C = 2 on dim 1)
+    wan = torch.zeros(2, 2, 3, 4, dtype=F64)
+    flow_matching_loss(wan, wan, wan, torch.full((2, 3), 0.5, dtype=F64), "cosmap", frame_dim=2)
+    with pytest.raises(ValueError, match=r"sigma of shape \(2, 2\)"):
+        flow_matching_loss(wan, wan, wan, torch.full((2, 2), 0.5, dtype=F64), "cosmap", frame_dim=2)
+def test_sigma_schedule_device_and_num_steps_type():
+    """sigma_schedule builds on the requested device (meta here) and rejects a bool or non-int num_steps by name."""
+    out = sigma_schedule(3, device="meta")
+    assert out.device.type == "meta" and out.dtype == F64 and out.shape == (4,)
+    for bad in (True, 2.5):
+        with pytest.raises(ValueError, match="num_steps must be an int"):
+            sigma_schedule(bad)
+
+
+def test_expand_sigma_default_frame_dim_and_promoted_dtype():
+    """expand_sigma's frame_dim defaults to 1 ([B, T, C, H, W]); without dtype the result is compute_dtype(sigma, x)."""
+    per_frame = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    x = torch.zeros(2, 3, 4, 5, 6)
+    e = expand_sigma(per_frame, x)
+    assert e.shape == (2, 3, 1, 1, 1) and torch.equal(e[:, :, 0, 0, 0], per_frame)
+    assert expand_sigma(torch.tensor([0.25, 0.5]), x.to(F64)).dtype == F64  # float32 sigma, float64 x
+    assert expand_sigma(torch.tensor([0.25, 0.5], dtype=torch.float16), x).dtype == torch.float32
+    assert expand_sigma(per_frame, x, dtype=torch.float16).dtype == torch.float16
+
+
+def test_expand_sigma_type_device_and_shape_rules():
+    """expand_sigma: a non-number sigma is a TypeError naming sigma; the result is on x's device (meta here) for a float
+    or a CPU tensor; B = 1 broadcasts in a [B, T] sigma; frame_dim 0 is rejected by name; a broadcastable tensor needs
+    x.ndim dims and may hold 1s."""
+    for bad in (True, "0.5", [0.5]):
+        with pytest.raises(TypeError, match="sigma must be a python float or a torch.Tensor"):
+            expand_sigma(bad, torch.zeros(2, 3))
+    meta = torch.empty(2, 4, 3, 5, 6, device="meta")
+    for s in (0.5, torch.tensor(0.5), torch.tensor([0.1, 0.2]), torch.rand(2, 4)):
+        assert expand_sigma(s, meta, frame_dim=1).device.type == "meta"
+    x = torch.zeros(3, 4, 2, 5)
+    one_b = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    assert torch.equal(expand_sigma(one_b, x), one_b.reshape(1, 4, 1, 1))
+    with pytest.raises(ValueError, match=r"sigma of shape \(2, 4\) does not fit"):
+        expand_sigma(torch.rand(2, 4), x)
+    with pytest.raises(ValueError, match="needs 1 <= frame_dim"):
+        expand_sigma(torch.rand(3, 3), torch.zeros(3, 3, 2), frame_dim=0)
+    full = torch.rand(3, 1, 2, 1)
+    assert torch.equal(expand_sigma(full, x), full)
+    with pytest.raises(ValueError, match=r"sigma of shape \(3, 1, 1\) does not fit"):
+        expand_sigma(torch.rand(3, 1, 1), x)
+
+
+def test_shift_must_be_a_python_number():
+    """A bool or non-number shift is a TypeError naming shift (sigma_schedule and shift_sigmas)."""
+    for bad in (True, "2.0"):
+        with pytest.raises(TypeError, match="shift must be a python float"):
+            sigma_schedule(4, shift=bad)
+        with pytest.raises(TypeError, match="shift must be a python float"):
+            shift_sigmas(0.5, bad)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -329,7 +331,7 @@ def test_dmd_bad_inputs():
     with pytest.raises(ValueError, match="eps"):
         dmd_gradient(x, f, r, eps=-1.0)
     g = dmd_gradient(x, f, r)
-    with pytest.raises(ValueError, match=r"g of shape \(2, 6, 4, 4\)"):
+    with pytest.raises(ValueError, match=r"^x of shape \(2, 6, 4, 4, 4\) and g of shape \(2, 6, 4, 4\)"):
         dmd_loss(x, g[..., 0])
     with pytest.raises(ValueError, match=r"mask of shape \(3, 6\)"):
         dmd_loss(x, g, mask=torch.ones(3, 6, dtype=torch.bool))
@@ -600,3 +602,93 @@ def test_dmd_losses_accept_one_dimensional_batches():
     torch.testing.assert_close(dmd_loss(x, g), torch.tensor(0.5 * (0.25 + 9.0) / 2, dtype=F64), rtol=0, atol=1e-15)
     r = torch.tensor([3.0, 0.0], dtype=F64)  # |x - r| = 2 for both samples
     torch.testing.assert_close(dmd_gradient(x, g, r), (g - r) / 2.0, rtol=0, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------------------------
+# mask validation, warped-list inputs, the sampler's pinned draw (mutation-testing survivors)
+
+
+def test_mask_frame_dim_range_negative_dims_and_expected_shape_in_the_message():
+    """A per-frame mask accepts frame_dim in [1, ndim) or its negative form (-4 on 5-d latents is dim 1, -3 is dim 2);
+    frame_dim 0, -5 or ndim is a ValueError naming frame_dim and the valid range, and a mask of the wrong shape for
+    a valid frame_dim is one naming the expected [B, T] shape."""
+    x, g = _randn(*SHAPE, seed=70), _randn(*SHAPE, seed=71)  # [B=2, T=6, C=4, H=4, W=4]
+    m = torch.tensor([[1, 0, 1, 1, 0, 1], [0, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    for fd in (1, -4):
+        torch.testing.assert_close(dmd_loss(x, g, mask=m, frame_dim=fd), dmd_loss(x, g, mask=m), rtol=0, atol=0)
+    m4 = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0]], dtype=torch.bool)  # T = 4 on dim 2 (Wan layout)
+    ref = 0.5 * (g.square() * m4[:, None, :, None, None]).sum() / (m4.sum() * 6 * 4 * 4)
+    for fd in (2, -3):
+        torch.testing.assert_close(dmd_loss(x, g, mask=m4, frame_dim=fd), ref, rtol=0, atol=1e-12)
+    square = torch.ones(2, 2, dtype=torch.bool)  # [B, B]: would fit if the batch dim were taken as the frame dim
+    for fd in (0, -5, 5):
+        with pytest.raises(
+            ValueError,
+            match=rf"^mask of shape \(2, 2\) does not fit latents of shape \(2, 6, 4, 4, 4\) with frame_dim={fd}: "
+            r"expected \[B, T\] with 1 <= frame_dim < x\.ndim$",
+        ):
+            dmd_loss(x, g, mask=square, frame_dim=fd)
+    for fd, expected in ((1, r"\[2, 6\]"), (-4, r"\[2, 6\]"), (2, r"\[2, 4\]")):
+        with pytest.raises(ValueError, match=rf"with frame_dim={fd}: expected {expected}$"):
+            dmd_loss(x, g, mask=square, frame_dim=fd)
+
+
+def test_mask_is_moved_to_the_latents_device():
+    """A CPU per-frame mask is moved to the latents' device: dmd_gradient on meta latents with a CPU mask returns a
+    meta tensor of x's shape (a mask left on the CPU cannot be combined with meta latents)."""
+    x, f, r = (torch.empty(SHAPE, dtype=F64, device="meta") for _ in range(3))
+    m = torch.tensor([[1, 0, 1, 1, 0, 1], [0, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    g = dmd_gradient(x, f, r, mask=m)
+    assert g.device.type == "meta" and g.shape == SHAPE and g.dtype == F64
+
+
+def test_sample_dmd_sigma_is_the_pinned_float64_draw_on_the_generators_device():
+    """sample_dmd_sigma = float32(clamp(N shift(tau / N), min, max) / N), computed in float64 from tau =
+    randint(0, N) drawn from the generator (bitwise); the draw stays on the generator's device under a default-device
+    context, and the result moves to ``device`` when one is given (else stays on the generator's device)."""
+    n = 1000
+    for shift, lo, hi in ((5.0, 20, 980), (3.0, 0, 1000), (1.0, 0, 1000)):
+        u = torch.randint(0, n, (4096,), generator=_gen(9)).to(F64) / n
+        if shift != 1.0:
+            su = shift * u
+            u = su / (su + (1 - u))
+        ref = ((u * n).clamp(float(lo), float(hi)) / n).to(torch.float32)
+        got = sample_dmd_sigma(4096, _gen(9), shift=shift, min_timestep=lo, max_timestep=hi)
+        assert got.device.type == "cpu" and torch.equal(got, ref), shift
+    ref = sample_dmd_sigma(64, _gen(5))
+    with torch.device("meta"):
+        assert torch.equal(sample_dmd_sigma(64, _gen(5)), ref)  # drawn and returned on the CPU generator's device
+    moved = sample_dmd_sigma(64, _gen(5), device="meta")
+    assert moved.device.type == "meta" and moved.shape == (64,) and moved.dtype == torch.float32
+    same = sample_dmd_sigma(8, _gen(5), min_timestep=500, max_timestep=500)  # min == max is a valid (point) range
+    assert torch.equal(same, torch.full((8,), 0.5))
+
+
+def test_sample_dmd_sigma_bad_batch_and_range_values_are_named():
+    """A batch that is not an int >= 1 (a bool, 2.5, "4", 0) and a range bound that is not a number in [0, N] (a
+    bool, a string, NaN, -5, 1200) are ValueErrors naming the argument and the value."""
+    for bad in (True, 2.5, "4", 0):
+        with pytest.raises(ValueError, match=rf"^batch must be an int >= 1, got {re.escape(repr(bad))}$"):
+            sample_dmd_sigma(bad, _gen())
+    for name in ("min_timestep", "max_timestep"):
+        for bad in (True, "20", float("nan"), -5, 1200):
+            with pytest.raises(
+                ValueError,
+                match=rf"^{name} must be a number in \[0, num_train_timesteps=1000\], got {re.escape(repr(bad))}$",
+            ):
+                sample_dmd_sigma(4, _gen(), **{name: bad})
+
+
+def test_warped_timesteps_refuses_non_integer_entries_and_validates_the_shift_of_an_empty_list():
+    """A warped entry must be an integer-valued real number: a bool, a string, None, inf, NaN or 2.5 is a ValueError
+    naming it; an empty list gives [] but its shift is still validated; warped_sigmas divides by the given N."""
+    for bad in (True, False, "500", None, float("inf"), float("nan"), 2.5):
+        with pytest.raises(
+            ValueError, match=rf"^warped denoising steps must be integer-valued numbers, got {re.escape(repr(bad))}$"
+        ):
+            warped_timesteps([1000, bad], 5.0)
+    assert warped_timesteps([], 5.0) == [] and warped_sigmas([], 5.0) == []
+    with pytest.raises(ValueError, match=r"^shift must be a finite number > 0, got -1\.0$"):
+        warped_timesteps([], -1.0)
+    # N = 4, shift 3: sigma = 3 (t / 4) / (1 + 2 t / 4), exact in binary floating point
+    assert warped_sigmas([4, 2, 0], 3.0, num_train_timesteps=4) == [1.0, 0.75, 0.0]

@@ -441,3 +441,18 @@ def test_bad_inputs_raise_clear_errors():
         sample_timesteps(2, 0, [0, 1], density="grid", grid=[0.9], t_max=0.5)
     with pytest.raises(ValueError, match=r"n must equal len\(indices\) = 2"):
         sample_timesteps(3, 0, [0, 1])
+
+
+def test_awm_loss_float64_velocity_or_target_alone_gives_float64():
+    """awm_loss with only v_theta (or only u) float64 runs in float64: loss -mean(A)/adv_clip on-policy and fm_mse equal
+    the float64 closed forms."""
+    v64 = _randn(3, 4, seed=1) + 1 / 3
+    u64 = _randn(3, 4, seed=2) + 1 / 3
+    t = torch.tensor([0.2, 0.5, 0.9])
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    for v, u in ((v64, u64.float()), (v64.float(), u64)):
+        loss, stats = awm_loss(v, u, t, adv, weighting="uniform")
+        assert loss.dtype == F64 and stats["fm_mse"].dtype == F64
+        ref_mse = ((v.to(F64) - u.to(F64)) ** 2).mean(dim=1).mean()
+        torch.testing.assert_close(stats["fm_mse"], ref_mse, rtol=0, atol=1e-12)
+        torch.testing.assert_close(loss, -adv.to(F64).mean() / 5.0, rtol=0, atol=1e-12)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -561,3 +562,306 @@ def test_bad_inputs_raise_clear_errors():
         clipped_policy_loss(torch.zeros(3), torch.zeros(3), torch.zeros(3), adv_clip_max=0.0)
     with pytest.raises(ValueError, match="std > 0"):
         gaussian_kl(x, v, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# contracts: float64 references, dtypes, boundaries (mutation testing, issue 26)
+
+
+def _clipped_reference(lp, old, adv, eps_low, eps_high, adv_max):
+    """The clipped surrogate and its stats in float64 straight from the docstring's formulas."""
+    lp, old, adv = lp.double(), old.double(), adv.double()
+    d = lp - old
+    r = torch.exp(d)
+    a = adv.clamp(-adv_max, adv_max)
+    loss = torch.maximum(-a * r, -a * r.clamp(1 - eps_low, 1 + eps_high))
+    rb = r.expand(loss.shape)
+    high, low = (rb > 1 + eps_high).double(), (rb < 1 - eps_low).double()
+    stats = {
+        "ratio_mean": rb.mean(), "ratio_std": rb.std(correction=0), "approx_kl": 0.5 * (d * d).mean(),
+        "clipfrac": (high + low).mean(), "clipfrac_high": high.mean(), "clipfrac_low": low.mean(),
+        "adv_abs_mean": a.expand(loss.shape).abs().mean(),
+    }
+    return loss, stats
+
+
+# which input is float64 (holding values float32 cannot represent) and which inputs are 0-d; the others are
+# float32 [B]: the loss and every stat must be float64 and equal the float64 reference
+_CLIP_CASES = {
+    "log_prob_f64": ("lp", ()),
+    "old_log_prob_f64": ("old", ()),
+    "advantages_f64": ("adv", ()),
+    "old_log_prob_f64_0d": ("old", ("old",)),
+    "log_prob_f64_0d": ("lp", ("lp",)),
+    "log_probs_f64_0d": ("lp+old", ("lp", "old")),
+}
+
+
+@pytest.mark.parametrize("case", list(_CLIP_CASES))
+def test_clipped_policy_loss_mixed_dtypes_equal_the_float64_reference(case):
+    """One float64 input (0-d or [B]) among float32 ones: loss and stats are float64 and equal the float64 formula."""
+    f64_of, zero_d = _CLIP_CASES[case]
+    b = 6
+    vals = {
+        "lp": _randn(b, seed=61) * 0.4 + 1 / 3,
+        "old": _randn(b, seed=62) * 0.4 + 1 / 3,
+        "adv": torch.tensor([2.5, -0.7, 0.3, -3.0, 1.1, -1.9], dtype=F64) + 1 / 3,
+    }
+    args = {}
+    for k, v in vals.items():
+        v = v[:1].reshape(()) if k in zero_d else v
+        args[k] = v if k in f64_of.split("+") else v.float()
+    kw = {"clip_range": 0.2, "clip_range_high": 0.3, "adv_clip_max": 1.5}
+    loss, stats = clipped_policy_loss(args["lp"], args["old"], args["adv"], **kw)
+    ref, ref_stats = _clipped_reference(args["lp"], args["old"], args["adv"], 0.2, 0.3, 1.5)
+    assert loss.dtype == F64 and loss.shape == (b,)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
+    assert set(stats) == set(ref_stats)
+    for key, value in stats.items():
+        assert value.dtype == F64 and value.shape == (), key
+        torch.testing.assert_close(value, ref_stats[key], rtol=0, atol=1e-12, msg=key)
+    if not zero_d:  # the inputs reach both clip sides and the advantage clamp
+        assert 0 < float(stats["clipfrac_high"]) and 0 < float(stats["clipfrac_low"]) < 1
+
+
+def test_clipped_policy_loss_ratio_on_the_clip_bound_is_not_clipped():
+    """r exactly 1 + eps_high or 1 - eps_low counts as inside the range; clip ranges of 0 are accepted."""
+    zeros = torch.zeros(4, dtype=F64)
+    adv = torch.tensor([1.0, -1.0, 2.0, -2.0], dtype=F64)
+    loss, stats = clipped_policy_loss(zeros, zeros, adv, clip_range=0.0, clip_range_high=0.0)
+    assert torch.equal(loss, -adv)
+    for key in ("clipfrac", "clipfrac_high", "clipfrac_low"):
+        assert float(stats[key]) == 0.0, key
+    loss, stats = clipped_policy_loss(zeros, zeros, adv, clip_range=0.0)
+    assert torch.equal(loss, -adv) and float(stats["clipfrac"]) == 0.0
+    # ratios exactly on the bounds (Sterbenz: r - 1 and 1 - r are exact), plus one just outside each
+    lp = torch.tensor([0.25, -0.25, 0.2500001, -0.2500001], dtype=F64)
+    r = torch.exp(lp)
+    eps_high, eps_low = float(r[0]) - 1.0, 1.0 - float(r[1])
+    assert 1.0 + eps_high == float(r[0]) and 1.0 - eps_low == float(r[1])
+    _, stats = clipped_policy_loss(lp, zeros, adv, clip_range=eps_low, clip_range_high=eps_high)
+    assert float(stats["clipfrac_high"]) == 0.25 and float(stats["clipfrac_low"]) == 0.25
+    assert float(stats["clipfrac"]) == 0.5
+
+
+def test_clipped_policy_loss_rejects_clip_ranges_outside_their_bounds():
+    """clip_range must lie in [0, 1) (1 and 1.5 raise), clip_range_high must be >= 0; the error names the argument."""
+    z = torch.zeros(2, dtype=F64)
+    for bad in (1.0, 1.5):
+        with pytest.raises(ValueError, match=r"^clip_range must be in \[0, 1\), got"):
+            clipped_policy_loss(z, z, z, clip_range=bad)
+    with pytest.raises(ValueError, match=r"^clip_range_high must be >= 0, got -0.1"):
+        clipped_policy_loss(z, z, z, clip_range_high=-0.1)
+    clipped_policy_loss(z, z, z, clip_range=0.999999)  # just below 1 is fine
+
+
+@pytest.mark.parametrize("odd", ["log_prob", "old_log_prob", "advantages"])
+def test_clipped_policy_loss_shape_error_names_all_three_shapes(odd):
+    """Any one of the three inputs with a shape that does not broadcast raises ValueError naming all three shapes."""
+    shapes = {k: (2,) for k in ("log_prob", "old_log_prob", "advantages")}
+    shapes[odd] = (3,)
+    args = [torch.zeros(shapes[k], dtype=F64) for k in ("log_prob", "old_log_prob", "advantages")]
+    lp, old, adv = (str(tuple(shapes[k])).replace("(", r"\(").replace(")", r"\)")
+                    for k in ("log_prob", "old_log_prob", "advantages"))
+    with pytest.raises(ValueError, match=rf"^log_prob {lp}, old_log_prob {old} and advantages {adv} must have"):
+        clipped_policy_loss(*args)
+
+
+def test_clipped_policy_loss_ratio_std_for_zero_one_and_two_samples():
+    """ratio_std is 0 (in the loss dtype, on the inputs' device) for B = 0 and B = 1, and |r1 - r2| / 2 for B = 2."""
+    for dt in (F64, torch.float32):
+        one = torch.tensor([0.3], dtype=dt)
+        loss, stats = clipped_policy_loss(one, torch.zeros(1, dtype=dt), one)
+        assert loss.dtype == dt
+        for key, value in stats.items():
+            assert value.dtype == dt, key
+        assert float(stats["ratio_std"]) == 0.0
+        loss, stats = clipped_policy_loss(*(torch.zeros(0, dtype=dt) for _ in range(3)))
+        assert loss.shape == (0,) and stats["ratio_std"].dtype == dt and float(stats["ratio_std"]) == 0.0
+    lp = torch.tensor([0.1, -0.2], dtype=F64)
+    _, stats = clipped_policy_loss(lp, torch.zeros(2, dtype=F64), torch.ones(2, dtype=F64))
+    r = torch.exp(lp)
+    torch.testing.assert_close(stats["ratio_std"], (r[0] - r[1]).abs() / 2, rtol=0, atol=1e-15)
+    meta = torch.zeros(1, device="meta")
+    _, stats = clipped_policy_loss(meta, meta, meta)
+    for key, value in stats.items():
+        assert value.device.type == "meta", key
+
+
+def _group_reference(rewards, groups, valid, std, eps, ddof):
+    """group_advantages by hand: a python loop over the groups in float64."""
+    r, g, ok = rewards.double().tolist(), groups.tolist(), valid.tolist()
+
+    def spread(values):
+        if len(values) - ddof <= 0:
+            return 0.0
+        mu = sum(values) / len(values)
+        return math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - ddof))
+
+    members = {gid: [r[i] for i in range(len(r)) if g[i] == gid and ok[i]] for gid in set(g)}
+    pooled = spread([r[i] for i in range(len(r)) if ok[i]])
+    out = []
+    for i in range(len(r)):
+        vals = members[g[i]]
+        if not ok[i] or spread(vals) < 1e-6:
+            out.append(0.0)
+            continue
+        denom = {"group": spread(vals) + eps, "global": pooled + eps, "none": 1.0}[std]
+        out.append((r[i] - sum(vals) / len(vals)) / denom)
+    return torch.tensor(out, dtype=F64)
+
+
+def _interleaved_groups():
+    """Four interleaved groups (ids 7, -3, 40, 0) of sizes 5, 3, 2, 4 at reward levels ~0, ~10, ~-5, ~100."""
+    groups = torch.tensor([7, -3, 7, 40, 0, 7, -3, 0, 40, 7, 0, -3, 7, 0])
+    level = {7: 0.0, -3: 10.0, 40: -5.0, 0: 100.0}
+    noise = _randn(len(groups), seed=71)
+    rewards = torch.tensor([level[int(gid)] for gid in groups], dtype=F64) + noise + 1 / 3
+    valid = torch.ones(len(groups), dtype=torch.bool)
+    valid[[2, 11]] = False  # one invalid sample in group 7 and one in group -3
+    rewards[2] = float("nan")
+    return rewards, groups, valid
+
+
+@pytest.mark.parametrize("std", ["group", "global", "none"])
+@pytest.mark.parametrize("ddof", [0, 1, 2])
+def test_group_advantages_equal_a_per_group_loop_reference(std, ddof):
+    """Interleaved groups of unequal sizes at different reward levels (with invalid samples): equal a loop, float64."""
+    rewards, groups, valid = _interleaved_groups()
+    for eps in (0.0, 1e-4):
+        adv = group_advantages(rewards, groups, std=std, eps=eps, ddof=ddof, valid=valid)
+        assert adv.dtype == F64 and adv.shape == rewards.shape
+        torch.testing.assert_close(adv, _group_reference(rewards, groups, valid, std, eps, ddof), rtol=0, atol=1e-12)
+    # float32 rewards: the float64 computation rounded once to float32
+    adv32 = group_advantages(rewards.float(), groups, std=std, ddof=ddof, valid=valid)
+    assert adv32.dtype == torch.float32
+    ref = _group_reference(rewards.float(), groups, valid, std, 1e-4, ddof)
+    assert torch.equal(adv32, ref.float())
+
+
+def test_group_advantages_small_groups_and_the_zero_std_bound():
+    """A group with fewer than ddof + 1 valid samples gives 0; a group std exactly ZERO_STD is not constant."""
+    # ddof = 2: a group of two distinct rewards has no spread estimate -> 0; a group of three does
+    rewards = torch.tensor([1.0, 3.0, 0.0, 1.0, 5.0], dtype=F64)
+    groups = torch.tensor([0, 0, 1, 1, 1])
+    adv = group_advantages(rewards, groups, ddof=2, eps=0.0)
+    assert torch.equal(adv[:2], torch.zeros(2, dtype=F64)) and bool((adv[2:] != 0).all())
+    # std exactly 1e-6 (rewards 0 and 2e-6, ddof 0): kept, advantages +-1e-6 / (1e-6 + eps)
+    rewards = torch.tensor([0.0, 2e-6, 4.0, 4.0], dtype=F64)
+    groups = torch.tensor([0, 0, 1, 1])
+    adv = group_advantages(rewards, groups, eps=1e-6)
+    assert torch.equal(adv, torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=F64))
+    st = group_stats(rewards, groups)
+    assert float(st["zero_std_fraction"]) == 0.5 and float(st["group_std_mean"]) == pytest.approx(5e-7, rel=1e-6)
+
+
+def test_group_advantages_global_std_with_few_valid_samples():
+    """"global" std: n - ddof = 1 uses the pooled std; one valid sample or none gives exactly 0 everywhere."""
+    rewards = torch.tensor([1.0, 3.0, 7.0, float("nan")], dtype=F64)
+    groups = torch.tensor([0, 0, 1, 1])
+    valid = torch.tensor([True, True, False, False])
+    adv = group_advantages(rewards, groups, std="global", ddof=1, eps=1e-4, valid=valid)
+    s = math.sqrt(2.0)  # two valid rewards 1, 3: sum of squares 2 over n - ddof = 1
+    torch.testing.assert_close(adv, torch.tensor([-1 / (s + 1e-4), 1 / (s + 1e-4), 0, 0], dtype=F64), rtol=0,
+                               atol=1e-15)
+    for v in ([True, False, False, False], [False] * 4):
+        adv = group_advantages(rewards, groups, std="global", ddof=1, valid=torch.tensor(v))
+        assert torch.equal(adv, torch.zeros(4, dtype=F64))
+
+
+def test_group_advantages_and_stats_of_an_empty_batch():
+    """No samples: group_advantages gives an empty [0] tensor in the output dtype; group_stats gives NaN means."""
+    for dt, out_dt in ((F64, F64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+        adv = group_advantages(torch.zeros(0, dtype=dt), torch.zeros(0, dtype=torch.int64))
+        assert adv.shape == (0,) and adv.dtype == out_dt
+    st = group_stats(torch.zeros(0, dtype=F64), torch.zeros(0, dtype=torch.int64))
+    assert float(st["valid_fraction"]) == 0.0 and math.isnan(float(st["reward_mean"]))
+
+
+def test_group_valid_mask_may_be_integer_or_float_zero_one():
+    """valid given as 0 / 1 integers or floats acts exactly as the bool mask (advantages and stats)."""
+    rewards, groups, valid = _interleaved_groups()
+    adv = group_advantages(rewards, groups, valid=valid)
+    st = group_stats(rewards, groups, valid)
+    for v in (valid.to(torch.int64), valid.to(torch.uint8), valid.to(torch.float32)):
+        assert torch.equal(group_advantages(rewards, groups, valid=v), adv)
+        other = group_stats(rewards, groups, v)
+        for key in st:
+            assert torch.equal(other[key], st[key]), key
+
+
+def test_group_stats_equal_a_per_group_reference():
+    """group_stats over interleaved groups (one with no valid sample, one constant) equal a float64 reference."""
+    rewards, groups, valid = _interleaved_groups()
+    groups = groups.clone()
+    groups[[4, 7]] = 99  # a group with one valid sample (group -3 is left with one too)...
+    valid[7] = False
+    rewards[[10, 13]] = 100.0  # ...and group 0 reduced to the constant pair (10, 13)
+    groups[1] = 55  # a group whose only sample is invalid
+    valid[1] = False
+    st = group_stats(rewards, groups, valid)
+    rv = rewards[valid]
+    stds = []
+    for gid in groups.unique().tolist():
+        vals = rewards[(groups == gid) & valid]
+        if len(vals):
+            stds.append(float(vals.std(correction=0)))
+    assert len(stds) == 5 and sum(s < 1e-6 for s in stds) == 3
+    ref = {
+        "reward_mean": float(rv.mean()), "reward_std": float(rv.std(correction=0)),
+        "group_std_mean": sum(stds) / len(stds), "zero_std_fraction": 3 / 5, "valid_fraction": 10 / 14,
+    }
+    assert set(st) == set(ref)
+    for key, value in st.items():
+        assert value.dtype == torch.float32 and value.shape == (), key
+        assert float(value) == float(torch.tensor(ref[key], dtype=F64).float()), key
+
+
+def test_group_stats_one_sample_and_all_invalid():
+    """One valid sample: mean r, stds 0, zero_std_fraction 1; none valid: NaN means, valid_fraction 0, no warning."""
+    st = group_stats(torch.tensor([0.7], dtype=F64), torch.tensor([3]))
+    assert {k: float(v) for k, v in st.items()} == {
+        "reward_mean": float(torch.tensor(0.7).float()), "reward_std": 0.0, "group_std_mean": 0.0,
+        "zero_std_fraction": 1.0, "valid_fraction": 1.0,
+    }
+    rewards = torch.tensor([1.0, float("nan"), 2.0], dtype=F64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st = group_stats(rewards, torch.tensor([0, 0, 1]), torch.zeros(3, dtype=torch.bool))
+    assert set(st) == {"reward_mean", "reward_std", "group_std_mean", "zero_std_fraction", "valid_fraction"}
+    for key, value in st.items():
+        assert value.dtype == torch.float32 and value.shape == (), key
+        assert math.isnan(float(value)) == (key != "valid_fraction"), key
+    assert float(st["valid_fraction"]) == 0.0
+
+
+def test_group_stats_are_float32_whatever_the_default_dtype():
+    """The stats are float32 as documented, also when torch's default dtype is float64 (empty or not)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(F64)
+    try:
+        for valid in (None, torch.zeros(2, dtype=torch.bool)):
+            st = group_stats(torch.tensor([1.0, 2.0], dtype=F64), torch.tensor([0, 1]), valid)
+            for key, value in st.items():
+                assert value.dtype == torch.float32, key
+    finally:
+        torch.set_default_dtype(old)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device next to the CPU")
+def test_group_advantages_and_stats_cuda_rewards_with_cpu_group_ids_and_valid():
+    """Rewards on CUDA, group ids and valid on the CPU: advantages and every stat are on CUDA and equal the all-CPU
+    values (also for an empty batch and for a batch with no valid sample)."""
+    rewards, groups, valid = _interleaved_groups()
+    for std in ("group", "global", "none"):
+        adv = group_advantages(rewards.cuda(), groups, std=std, valid=valid)
+        assert adv.device.type == "cuda"
+        assert torch.equal(adv.cpu(), group_advantages(rewards, groups, std=std, valid=valid))
+    empty = group_advantages(torch.zeros(0, dtype=F64).cuda(), torch.zeros(0, dtype=torch.int64))
+    assert empty.device.type == "cuda" and empty.shape == (0,)
+    for v in (valid, torch.zeros_like(valid)):
+        st = group_stats(rewards.cuda(), groups, v)
+        ref = group_stats(rewards, groups, v)
+        for key, value in st.items():
+            assert value.device.type == "cuda", key
+            torch.testing.assert_close(value.cpu(), ref[key], rtol=0, atol=0, equal_nan=True, msg=key)

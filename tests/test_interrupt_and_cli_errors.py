@@ -211,3 +211,40 @@ def test_interrupt_messages_are_printed_by_local_rank_0_of_node_0_only(monkeypat
                 monkeypatch.setenv(name, value)
         InterruptCheckpoint._say("hello")
         assert capsys.readouterr().err == ("hello\n" if printed else ""), (local, node)
+
+
+def test_resume_command_drops_every_ckpt_path_form_wherever_it_stands_and_names_the_program(monkeypatch):
+    """resume_command keeps every other argument in order, drops `--ckpt_path X` and `--ckpt_path=X` also in the
+    middle of the line, reads sys.argv[1:] when argv is None, and says `python -m genrl` only for
+    .../genrl/__main__.py (else `genrl`, also with an empty sys.argv)."""
+    argv = ["fit", "--ckpt_path", "a.ckpt", "--config", "c.yaml", "--ckpt_path=b.ckpt", "--seed_everything", "3",
+            "--ckpt_path", "c.ckpt", "--trainer.max_steps=9"]
+    kept = "fit --config c.yaml --seed_everything 3 --trainer.max_steps=9 --ckpt_path"
+    assert resume_command(argv, prog="genrl") == f"genrl {kept} last"
+    assert resume_command(argv, prog="x", ckpt="/r/l.ckpt") == f"x {kept} /r/l.ckpt"
+    for main_path, prog in (("/env/bin/genrl", "genrl"), ("/src/genrl/__main__.py", "python -m genrl"),
+                            ("/src/other/__main__.py", "genrl"), ("/src/genrl/cli.py", "genrl"),
+                            ("__main__.py", "genrl")):
+        monkeypatch.setattr("sys.argv", [main_path, "fit", "--config", "d.yaml"])
+        assert resume_command() == f"{prog} fit --config d.yaml --ckpt_path last", main_path
+        assert resume_command(["validate"]) == f"{prog} validate --ckpt_path last", main_path
+    monkeypatch.setattr("sys.argv", [])
+    assert resume_command(["fit"]) == "genrl fit --ckpt_path last"
+
+
+def test_on_exception_saves_only_for_an_interrupt_of_fit():
+    """on_exception hands the exception itself to the saver for a KeyboardInterrupt or SIGTERMException during fit,
+    and saves nothing for another stage or another exception."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    calls = []
+    cb = InterruptCheckpoint(argv=["fit"])
+    cb._save_and_say = lambda trainer, exception: calls.append((trainer, exception))
+    fit = SimpleNamespace(state=SimpleNamespace(fn="fit"))
+    validate = SimpleNamespace(state=SimpleNamespace(fn="validate"))
+    ctrl_c, sigterm, other = KeyboardInterrupt(), SIGTERMException(), RuntimeError("boom")
+    for trainer, exc in ((fit, ctrl_c), (fit, sigterm), (fit, other), (validate, ctrl_c), (validate, sigterm)):
+        cb.on_exception(trainer, None, exc)
+    assert len(calls) == 2 and calls[0][0] is fit and calls[0][1] is ctrl_c and calls[1][1] is sigterm

@@ -527,3 +527,27 @@ def test_rand_per_sample_defaults_step_and_stream_zero_and_moves_to_device():
     assert not torch.equal(base, rand_per_sample((3,), 11, [0, 4], stream=1))
     assert bool(((base >= 0) & (base < 1)).all())
     assert rand_per_sample((3,), 11, [0, 4], device="meta").device.type == "meta"
+
+
+def _splitmix64_reference(x: int) -> int:
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def test_mix_seed_is_splitmix64_folded_to_63_bits_and_sample_generator_defaults():
+    """mix_seed equals an independent SplitMix64 fold of its parts masked to the low 63 bits (odd values too);
+    sample_generator's step and stream default to 0 and seed a CPU generator with mix_seed of the address."""
+    results = []
+    for parts in [(0,), (1, 2), (7, 3, 0, 0), (2**40 + 5, 11, 4, 1), (-1, 0, 9, 2)]:
+        h = 0
+        for p in parts:
+            h = _splitmix64_reference(h ^ (p & ((1 << 64) - 1)))
+        assert mix_seed(*parts) == h & ((1 << 63) - 1)
+        results.append(mix_seed(*parts))
+    assert any(r % 2 == 1 for r in results)  # the lowest bit is kept
+    for seed, index in [(0, 0), (5, 3)]:
+        g = sample_generator(seed, index)
+        assert g.device.type == "cpu" and g.initial_seed() == mix_seed(seed, index, 0, 0)

@@ -502,3 +502,276 @@ def test_to_moves_every_model_and_repr():
     assert mgr.to("meta") is mgr
     assert mgr.models["test_mgr_param"] is model and model.w.device.type == "meta"
     assert repr(mgr).endswith("device=meta, built=True)")
+
+
+# ---------------------------------------------------------------------------------------------- contracts (mutation)
+@register_reward("test_mgr_raw")
+class RawReward(RewardModel):
+    """Overrides forward (no validation, no scale / shift, no "valid" unless asked): reward = meta ``r`` (zeros
+    without it); records (pixels device, chunk size) of every call in ``RawReward.calls``."""
+
+    calls: list[tuple[str, int]] = []
+
+    def __init__(self, mode: str = "plain", param: bool = False, scale: float = 1.0, shift: float = 0.0) -> None:
+        super().__init__(scale=scale, shift=shift)
+        self.mode = mode
+        if param:
+            self.p = torch.nn.Parameter(torch.zeros(()))
+
+    def score(self, pixels, prompts, **meta):
+        raise AssertionError("forward is overridden")
+
+    def forward(self, pixels, prompts, r=None, ok=None, **meta):
+        b = pixels.shape[0]
+        RawReward.calls.append((pixels.device.type, b))
+        reward = r.clone() if r is not None else torch.zeros(b)
+        if self.mode == "noreward":
+            return {"score": reward}
+        out = {"reward": reward}
+        if self.mode == "valid":
+            out["valid"] = ok
+        if self.mode == "extra":
+            out["extra"] = reward + 100.0
+        return out
+
+
+def _x(b: int) -> torch.Tensor:
+    return torch.rand(b, 1, 3, 2, 2)
+
+
+def test_combine_mode_is_recorded_in_the_result():
+    """RewardResult.combine is the manager's combine mode, for every mode."""
+    for combine in ("weighted_sum", "zscore_sum", "advantage_sum"):
+        res = RewardManager([{"name": "test_mgr_const"}], combine=combine)(_x(2), ["p", "q"])
+        assert res.combine == combine
+
+
+def test_prompts_must_be_a_list_of_strings():
+    """Prompts that are one string or hold a non-string raise TypeError naming prompts."""
+    mgr = RewardManager([{"name": "test_mgr_const"}])
+    with pytest.raises(TypeError, match="prompts"):
+        mgr(_x(2), [1, 2])
+    with pytest.raises(TypeError, match="prompts"):
+        mgr(_x(2), "ab")
+
+
+def test_failed_chunks_and_nan_scores_are_counted_per_batch_and_cumulatively():
+    """Each failing chunk counts once in result.errors; failure_counts add up over calls (errors and NaN scores)."""
+    explode = torch.tensor([True, False, False, False, True, False])  # chunks 0:2 and 4:6 fail, 2:4 does not
+    mgr = RewardManager([{"name": "test_mgr_mean"}, {"name": "test_mgr_const"}], batch_size=2, on_error="invalid")
+    for call in (1, 2):
+        res = mgr(_x(6), ["p"] * 6, explode=explode)
+        assert res.errors == {"test_mgr_mean": 2, "test_mgr_const": 0}
+        assert res.valid.tolist() == [False, False, True, True, False, False]
+        assert res.metrics()["test_mgr_mean/errors"] == 2.0
+        assert mgr.failure_counts == {"test_mgr_mean": {"errors": 2 * call, "nan_rewards": 0},
+                                      "test_mgr_const": {"errors": 0, "nan_rewards": 0}}
+    lying = RewardManager([{"name": "test_mgr_lying"}])
+    for call in (1, 2):
+        assert lying(_x(3), ["p"] * 3).nan_rewards == {"test_mgr_lying": 1}
+        assert lying.failure_counts["test_mgr_lying"] == {"errors": 0, "nan_rewards": call}
+
+
+def test_output_without_a_reward_key_is_a_reported_failure():
+    """A reward output lacking "reward" raises RuntimeError naming the reward, or counts as an error chunk."""
+    with pytest.raises(RuntimeError, match="reward 'test_mgr_raw' failed.*without a 'reward' key"):
+        RewardManager([{"name": "test_mgr_raw", "mode": "noreward"}])(_x(2), ["p", "q"])
+    res = RewardManager([{"name": "test_mgr_raw", "mode": "noreward"}], on_error="invalid")(_x(2), ["p", "q"])
+    assert res.errors == {"test_mgr_raw": 1} and res.valid.tolist() == [False, False]
+    assert res.nan_rewards == {"test_mgr_raw": 0}
+
+
+def test_valid_mask_and_extra_keys_from_the_reward_output():
+    """A "valid" output marks samples invalid (NaN, not counted as NaN scores); no "valid" means all valid;
+    an undeclared float key becomes a component; chunks of 1 work."""
+    r = torch.tensor([0.5, 1.5, 2.5, 3.5])
+    ok = torch.tensor([True, False, True, True])
+    res = RewardManager([{"name": "test_mgr_raw", "mode": "valid", "weight": 2.0}], batch_size=1)(
+        _x(4), ["p"] * 4, r=r, ok=ok)
+    assert res.valid.tolist() == [True, False, True, True]
+    assert res.nan_rewards == {"test_mgr_raw": 0}
+    torch.testing.assert_close(res.rewards["test_mgr_raw"], torch.tensor([0.5, float("nan"), 2.5, 3.5]),
+                               rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(res.total, torch.tensor([1.0, float("nan"), 5.0, 7.0]), rtol=0, atol=0,
+                               equal_nan=True)
+    plain = RewardManager([{"name": "test_mgr_raw", "mode": "extra"}], batch_size=3)(_x(4), ["p"] * 4, r=r)
+    assert plain.valid.tolist() == [True] * 4 and plain.nan_rewards == {"test_mgr_raw": 0}
+    assert set(plain.components) == {"test_mgr_raw/reward", "test_mgr_raw/extra"}
+    assert torch.equal(plain.components["test_mgr_raw/extra"], r + 100.0)
+    assert torch.equal(plain.total, r)
+
+
+def test_scores_are_float32_under_a_float64_default_dtype():
+    """components, rewards and total are float32 as documented, whatever torch's default dtype."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        res = RewardManager([{"name": "test_mgr_const"}, {"name": "test_mgr_raw", "mode": "extra"}])(
+            torch.rand(3, 1, 3, 2, 2, dtype=torch.float32), ["p"] * 3, r=torch.tensor([1.0, 2.0, 3.0]))
+    finally:
+        torch.set_default_dtype(before)
+    for k, v in [*res.components.items(), *res.rewards.items(), ("total", res.total)]:
+        assert v.dtype == torch.float32, k
+    torch.testing.assert_close(res.total.double(), torch.tensor([1.25, 2.25, 3.25], dtype=torch.float64),
+                               rtol=0, atol=0)
+
+
+def test_pixels_go_to_the_manager_device_or_the_model_parameters_device():
+    """Chunks are moved to the manager's device when set, else to the device of the model's parameters (meta)."""
+    RawReward.calls.clear()
+    mgr = RewardManager([{"name": "test_mgr_raw"}], device="meta")
+    assert mgr.device == torch.device("meta")
+    res = mgr(_x(2), ["p", "q"])
+    assert RawReward.calls == [("meta", 2)] and torch.equal(res.total, torch.zeros(2))
+
+    RawReward.calls.clear()
+    mgr = RewardManager([{"name": "test_mgr_raw", "param": True}]).build()
+    mgr.models["test_mgr_raw"].to("meta")  # the model moved by hand: the manager has no device of its own
+    assert mgr.device is None
+    mgr(_x(2), ["p", "q"])
+    assert RawReward.calls == [("meta", 2)]
+
+    RawReward.calls.clear()
+    RewardManager([{"name": "test_mgr_raw"}])(_x(2), ["p", "q"])
+    assert RawReward.calls == [("cpu", 2)]
+
+
+def test_build_places_models_on_a_device_set_before_building():
+    """to() before build() is allowed (nothing built yet); build() then puts every model on that device."""
+    mgr = RewardManager([{"name": "test_mgr_param"}, {"name": "test_mgr_const"}])
+    assert mgr.to("meta") is mgr and mgr.models == {} and not mgr.built
+    mgr.build()
+    assert mgr.models["test_mgr_param"].w.device.type == "meta"
+    direct = RewardManager([{"name": "test_mgr_param"}], device="meta").build()
+    assert direct.models["test_mgr_param"].w.device.type == "meta"
+    cpu = RewardManager([{"name": "test_mgr_param"}]).build()
+    assert cpu.models["test_mgr_param"].w.device.type == "cpu"
+
+
+def test_a_single_spec_and_batch_size_checks():
+    """A lone spec (dict or RewardSpec) is one reward; batch_size must be an int >= 1 (1 allowed), default 64."""
+    assert RewardManager({"name": "test_mgr_const"}).names == ["test_mgr_const"]
+    assert RewardManager(RewardSpec("test_mgr_raw", weight=3.0)).weights == {"test_mgr_raw": 3.0}
+    for bad in (True, 2.5, "4"):
+        with pytest.raises(ValueError, match="batch_size"):
+            RewardManager([{"name": "test_mgr_const"}], batch_size=bad)
+    RawReward.calls.clear()
+    RewardManager([{"name": "test_mgr_raw"}], batch_size=1)(_x(3), ["p"] * 3)
+    assert RawReward.calls == [("cpu", 1)] * 3
+    RawReward.calls.clear()
+    mgr = RewardManager([{"name": "test_mgr_raw"}])
+    assert mgr.batch_size == 64
+    mgr(torch.zeros(65, 1, 1, 1, 1), ["p"] * 65)
+    assert RawReward.calls == [("cpu", 64), ("cpu", 1)]
+
+
+def test_state_dict_round_trip_and_partial_or_bad_states():
+    """state_dict has exactly names / combine / stats / failure_counts; load_state_dict restores the counts,
+    fills missing counts with 0 and refuses a state for other rewards."""
+    specs = [{"name": "test_mgr_mean"}, {"name": "test_mgr_lying"}]
+    mgr = RewardManager(specs, combine="zscore_sum", batch_size=2, on_error="invalid")
+    mgr(_x(4), ["p"] * 4, explode=torch.tensor([True, False, False, False]))
+    state = mgr.state_dict()
+    assert set(state) == {"names", "combine", "stats", "failure_counts"}
+    assert state["combine"] == "zscore_sum" and state["names"] == ["test_mgr_mean", "test_mgr_lying"]
+    # the lying reward breaks sample 0 of each chunk of 2: 2 NaN scores
+    expected = {"test_mgr_mean": {"errors": 1, "nan_rewards": 0}, "test_mgr_lying": {"errors": 0, "nan_rewards": 2}}
+    assert state["failure_counts"] == expected
+
+    resumed = RewardManager(specs, combine="zscore_sum")
+    resumed.load_state_dict(state)
+    assert resumed.failure_counts == expected and resumed.state_dict() == state
+
+    no_counts = {k: v for k, v in state.items() if k != "failure_counts"}
+    resumed.load_state_dict(no_counts)
+    assert resumed.failure_counts == {n: {"errors": 0, "nan_rewards": 0} for n in mgr.names}
+    resumed.load_state_dict({**state, "failure_counts": {"test_mgr_mean": {"errors": 3}}})
+    assert resumed.failure_counts == {"test_mgr_mean": {"errors": 3, "nan_rewards": 0},
+                                      "test_mgr_lying": {"errors": 0, "nan_rewards": 0}}
+    with pytest.raises(ValueError, match=r"state is for rewards \[\]"):
+        resumed.load_state_dict({})
+
+
+def test_metrics_exact_keys_and_values_with_default_counts():
+    """metrics() returns exactly the documented keys: masked means (invalid and NaN skipped), fractions, and
+    errors / nan_rewards of 0 for rewards absent from those dicts."""
+    nan = float("nan")
+    res = RewardResult(
+        components={"a/reward": torch.tensor([1.0, 2.0, nan, 4.0]), "a/aux": torch.tensor([nan, 3.0, 5.0, 9.0])},
+        rewards={"a": torch.tensor([1.0, 2.0, nan, 4.0])},
+        reward_valid={"a": torch.tensor([True, True, False, True]), "b": torch.tensor([True, True, True, False])},
+        valid=torch.tensor([True, True, False, False]),
+        total=torch.tensor([0.5, 1.0 / 3.0, nan, 7.0]),
+        weights={"a": 1.0, "b": 1.0},
+        stats={"a/running_mean": 0.25},
+    )
+    assert res.metrics() == {
+        "total": float((torch.tensor(0.5).double() + torch.tensor(1.0 / 3.0).double()) / 2),
+        "invalid_fraction": 0.5,
+        "a/reward": 1.5,
+        "a/aux": 3.0,
+        "a/invalid_fraction": 0.25,
+        "a/errors": 0.0,
+        "a/nan_rewards": 0.0,
+        "b/invalid_fraction": 0.25,
+        "b/errors": 0.0,
+        "b/nan_rewards": 0.0,
+        "a/running_mean": 0.25,
+    }
+
+
+def test_metrics_of_an_empty_or_all_invalid_batch_are_nan():
+    """Means and fractions over no samples are NaN (an empty batch, or a batch with every sample invalid)."""
+    empty = _result({"a": []}, [], {"a": 1.0}, errors={"a": 0}, nan_rewards={"a": 0})
+    m = empty.metrics()
+    assert set(m) == {"total", "invalid_fraction", "a/reward", "a/invalid_fraction", "a/errors", "a/nan_rewards"}
+    for key in ("total", "invalid_fraction", "a/reward", "a/invalid_fraction"):
+        assert math.isnan(m[key]), key
+    bad = _result({"a": [1.0, 2.0]}, [False, False], {"a": 1.0})
+    m = bad.metrics()
+    assert math.isnan(m["total"]) and math.isnan(m["a/reward"]) and m["invalid_fraction"] == 1.0
+
+
+def test_slice_meta_slices_only_per_sample_entries():
+    """Length-n lists / tuples and tensors with first dim n are sliced; 0-d tensors and other values pass whole."""
+    from genrl.rewards.manager import slice_meta
+
+    t, s, other = torch.arange(4), torch.tensor(2.0), torch.arange(3)
+    out = slice_meta({"t": t, "s": s, "l": ["a", "b", "c", "d"], "tp": (0, 1, 2, 3), "short": [9, 9], "o": other,
+                      "k": 7}, 4, 1, 3)
+    assert set(out) == {"t", "s", "l", "tp", "short", "o", "k"}
+    assert torch.equal(out["t"], torch.tensor([1, 2]))
+    assert out["s"] is s and out["o"] is other
+    assert out["l"] == ["b", "c"] and out["tp"] == (1, 2) and out["short"] == [9, 9] and out["k"] == 7
+
+
+def test_context_keywords_skip_self_and_catch_alls():
+    """Only named constructor parameters take context values: "self" and *args / **kwargs names never do."""
+    from genrl.rewards.manager import _accepted_keywords
+
+    class Ctor:
+        def __init__(self, a, *args, b=1, **kw):
+            pass
+
+    assert _accepted_keywords(Ctor) == {"a", "b"}
+    model = build_reward_with_context({"name": "test_mgr_world"}, {"world": {"k": 1}, "self": 0, "kwargs": 0})
+    assert model.world == {"k": 1}
+
+
+def test_as_reward_spec_checks_and_copies():
+    """as_reward_spec copies kwargs, refuses an argument given flat and in kwargs, an empty or non-string name,
+    and a bool or non-number weight, naming the bad field."""
+    from genrl.rewards.manager import as_reward_spec
+
+    spec = RewardSpec("test_mgr_const", kwargs={"value": 0.5})
+    out = as_reward_spec(spec)
+    out.kwargs["value"] = 9.0
+    assert spec.kwargs == {"value": 0.5}
+    with pytest.raises(ValueError, match=r"\['value'\] given both flat and in 'kwargs'"):
+        as_reward_spec({"name": "test_mgr_const", "value": 1.0, "kwargs": {"value": 2.0}})
+    for name in ("", 5):
+        with pytest.raises(ValueError, match="name must be a non-empty string"):
+            as_reward_spec({"name": name})
+    for weight in (True, "2"):
+        with pytest.raises(ValueError, match="weight must be a finite number"):
+            as_reward_spec({"name": "test_mgr_const", "weight": weight})

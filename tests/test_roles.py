@@ -258,3 +258,84 @@ def test_rollout_copy_forwards_arguments_and_stays_frozen_after_a_quantized_sync
         assert torch.equal(ro(x, shift=2.5), live(x) + 2.5)
     ro.sync(live)
     assert not any(p.requires_grad for p in ro.parameters())
+
+
+def _tiny_adapted() -> nn.Module:
+    """A stand-in transformer with diffusers' add_adapter (peft): two projections and one layer LoRA leaves alone."""
+    from diffusers.loaders import PeftAdapterMixin
+
+    class _TinyAdapted(nn.Module, PeftAdapterMixin):
+        def __init__(self) -> None:
+            super().__init__()
+            self.to_q, self.to_k, self.other = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(4, 4)
+
+    return _TinyAdapted()
+
+
+def test_lora_spec_reaches_the_layers_rank_alpha_init_and_float32_adapter():
+    """LoraSpec.add_to adapts the generator's lora_target_modules with rank r (A [r, in], B [out, r]), scaling
+    alpha / r, the spec's init (gaussian / True: B = 0; False: B random) in float32 over bfloat16 base weights."""
+    from types import SimpleNamespace
+
+    from genrl.models.roles import has_lora
+
+    for init in ("gaussian", True, False):
+        torch.manual_seed(0)
+        gen = SimpleNamespace(transformer=_tiny_adapted().to(torch.bfloat16), lora_target_modules=["to_q"])
+        assert not has_lora(gen.transformer)
+        LoraSpec(rank=2, alpha=6.0, init_lora_weights=init).add_to(gen)
+        t = gen.transformer
+        assert has_lora(t) and t.peft_config["default"].init_lora_weights == init
+        assert (t.peft_config["default"].r, t.peft_config["default"].lora_alpha) == (2, 6.0)
+        a, b = t.to_q.lora_A["default"].weight, t.to_q.lora_B["default"].weight
+        assert a.shape == (2, 4) and b.shape == (6, 2) and t.to_q.scaling["default"] == 3.0
+        assert a.dtype == b.dtype == torch.float32 and t.to_q.base_layer.weight.dtype == torch.bfloat16
+        assert a.requires_grad and b.requires_grad and bool(b.any()) == (init is False)
+        assert isinstance(t.to_k, nn.Linear) and isinstance(t.other, nn.Linear)  # not targeted
+
+
+def test_optimizers_take_a_generators_transformer_parameters_only():
+    """For a generator role the optimizer gets its transformer's trainable parameters, not the generator's other
+    trainable ones (e.g. a conditioning head); a plain module's own parameters otherwise."""
+
+    class _GenWithHead(_Gen):
+        def __init__(self, transformer: nn.Module) -> None:
+            super().__init__(transformer)
+            self.head = nn.Linear(2, 2)
+
+    owner = _Owner()
+    owner.roles.trainable("generator", _GenWithHead(nn.Linear(3, 3)))
+    owner.roles.trainable("critic", nn.Linear(3, 1))
+    opt_g, opt_c = owner.roles.optimizers(generator=torch.optim.SGD, critic=torch.optim.SGD)
+    assert [p for g in opt_g.param_groups for p in g["params"]] == list(owner.generator.transformer.parameters())
+    assert [p for g in opt_c.param_groups for p in g["params"]] == list(owner.critic.parameters())
+
+
+def test_frozen_roles_load_like_a_module_stray_keys_and_pre_hooks():
+    """Loading through FrozenRoles keeps nn.Module's contract: a stray key under frozen. is unexpected under strict
+    loading, and a load pre-hook on the container sees strict and the real key / error lists (its error is raised)."""
+    owner = _owner_with(nn.Linear(2, 2))
+    owner.roles.frozen("teacher", nn.Linear(2, 2))
+    sd = owner.state_dict()
+    with pytest.raises(RuntimeError, match='Unexpected key\\(s\\) in state_dict: "frozen.stray"'):
+        owner.load_state_dict({**sd, "frozen.stray": torch.zeros(1)}, strict=True)
+    seen = []
+
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        seen.append((prefix, strict, type(missing_keys), type(unexpected_keys), type(error_msgs)))
+        error_msgs.append("the teacher's spec changed")
+
+    owner.frozen.register_load_state_dict_pre_hook(hook)
+    with pytest.raises(RuntimeError, match="the teacher's spec changed"):
+        owner.load_state_dict(sd, strict=True)
+    assert seen == [("frozen.", True, list, list, list)]
+
+
+def test_lagged_copy_of_another_module_names_the_missing_parameters():
+    """update / applied with a module lacking the lagged parameters raise a KeyError naming them."""
+    lagged = LaggedCopy(nn.Linear(2, 2))
+    other = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(KeyError, match=r"no parameter\(s\) \['weight', 'bias'\]: the lagged copy belongs to another"):
+        lagged.update(other, 0.5)
+    with pytest.raises(KeyError, match=r"no parameter\(s\) \['weight', 'bias'\]"), lagged.applied(other):
+        pass

@@ -553,7 +553,7 @@ def velocity_monitors(
     * ``"v_ref_mse"``: mean_b sample_mse(v_theta, v_ref), the drift from the reference;
     * ``"v_old_mse"``: mean_b sample_mse(v_theta, v_old), the lag behind the rollout policy;
     * ``"v_norm_ratio"``: ||v_theta|| / ||v_ref|| over the batch (root-mean-square norms; norm inflation,
-      NormGuard arXiv 2606.27771; inf when v_ref is all zero);
+      NormGuard arXiv 2606.27771; inf when v_ref is all zero and v_theta is not, 1 when both are);
     * ``"fm_mse_old"``: mean_b sample_mse(v_old, u), the old policy's flow-matching error on its own
       rollouts: self-inconsistency; its excess over the value at initialisation estimates ||u - v_old||^2,
       the quantity whose growth precedes RAM's divergence;
