@@ -20,12 +20,15 @@ import importlib
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
 import genrl.methods  # noqa: F401  (registers genrl's methods for short class names)
-from genrl.callbacks import InterruptCheckpoint
+from genrl.callbacks import InterruptCheckpoint, StepProgressBar
 
 __all__ = ["GenRLArgumentParser", "GenRLCLI", "check_legacy_keys", "main", "suggest_keys"]
 
@@ -184,6 +187,19 @@ class GenRLCLI(LightningCLI):
         kwargs["trainer_defaults"] = defaults
         check_legacy_keys(args)
         super().__init__(args=args, run=run, **kwargs)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's trainer, with :class:`~genrl.callbacks.StepProgressBar` in place of the rich progress bar
+        Lightning adds by default (the training bar counts ``global_step`` of ``max_steps``, resumed runs
+        included); a progress bar given in ``trainer.callbacks`` is kept as it is."""
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        # a copy: Lightning extends the configured list in place and the Trainer appends its default bar to it
+        configured = list(configured) if isinstance(configured, list) else [configured]
+        trainer = super().instantiate_trainer(**kwargs)
+        bar = trainer.progress_bar_callback
+        if type(bar) is RichProgressBar and not any(bar is c for c in configured):
+            trainer.callbacks[trainer.callbacks.index(bar)] = StepProgressBar()
+        return trainer
 
     def before_instantiate_classes(self) -> None:
         """Refuse an accelerator this machine does not have (e.g. ``gpu`` without CUDA) before the model is built,

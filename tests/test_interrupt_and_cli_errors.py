@@ -248,3 +248,45 @@ def test_on_exception_saves_only_for_an_interrupt_of_fit():
     for trainer, exc in ((fit, ctrl_c), (fit, sigterm), (fit, other), (validate, ctrl_c), (validate, sigterm)):
         cb.on_exception(trainer, None, exc)
     assert len(calls) == 2 and calls[0][0] is fit and calls[0][1] is ctrl_c and calls[1][1] is sigterm
+
+
+class _BarAtFirstBatch(Callback):
+    """Records the training bar's (completed, total, description) when the first batch of a fit starts."""
+
+    def __init__(self) -> None:
+        self.seen = None
+
+    def on_train_batch_start(self, trainer, *args, **kwargs) -> None:
+        if self.seen is None:
+            bar = trainer.progress_bar_callback
+            task = bar.progress.tasks[bar.train_progress_bar_id]
+            self.seen = (task.completed, task.total, task.description)
+
+
+def test_progress_bar_counts_steps_of_max_steps_and_resumes_at_the_restored_step(
+        tmp_path, monkeypatch, tiny_policy, tiny_text_encoder):
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from genrl.callbacks import StepProgressBar
+
+    monkeypatch.chdir(tmp_path)
+    args = [a for a in _args(tiny_policy, tiny_text_encoder)[1:] if a != "--trainer.enable_progress_bar=false"]
+    first = GenRLCLI(args=[*args, "--trainer.max_steps=2"], run=False)
+    bar = first.trainer.progress_bar_callback
+    assert type(bar) is StepProgressBar  # in place of Lightning's default rich bar
+    first.trainer.fit(first.model, datamodule=first.datamodule)
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    assert (task.completed, task.total, task.description) == (2, 2, "Steps")
+    # resumed at step 2 of 4: Lightning's bar would count the restored batch index against the 2 remaining steps
+    resumed = GenRLCLI(args=[*args, "--trainer.max_steps=4"], run=False)
+    probe = _BarAtFirstBatch()
+    resumed.trainer.callbacks.insert(0, probe)
+    resumed.trainer.fit(resumed.model, datamodule=resumed.datamodule, ckpt_path="last")
+    bar = resumed.trainer.progress_bar_callback
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    assert probe.seen == (2, 4, "Steps")
+    assert (task.completed, task.total) == (4, 4) and resumed.trainer.global_step == 4
+    # a progress bar the config names is kept
+    tqdm = GenRLCLI(args=[*args, "--trainer.max_steps=1",
+                          "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], run=False)
+    assert type(tqdm.trainer.progress_bar_callback) is TQDMProgressBar
