@@ -277,6 +277,8 @@ def test_progress_bar_counts_steps_of_max_steps_and_resumes_at_the_restored_step
     first.trainer.fit(first.model, datamodule=first.datamodule)
     task = bar.progress.tasks[bar.train_progress_bar_id]
     assert (task.completed, task.total, task.description) == (2, 2, "Steps")
+    shown = bar.get_metrics(first.trainer, first.model)
+    assert shown["version"] == "0" and "v_num" not in shown  # not "v_num: 0.000"
     # resumed at step 2 of 4: Lightning's bar would count the restored batch index against the 2 remaining steps
     resumed = GenRLCLI(args=[*args, "--trainer.max_steps=4"], run=False)
     probe = _BarAtFirstBatch()

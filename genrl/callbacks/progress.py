@@ -20,7 +20,8 @@ class StepProgressBar(RichProgressBar):
     ``"Steps"`` and the bar reads ``global_step / max_steps``: resumed at 3 of 6 it starts at 3/6 and ends at
     6/6. For methods that count iterations (DMD, AFD: one generator update and its critic updates) the
     global step is the iteration, so the bar ends at ``max_steps`` of ``max_steps`` there too. Runs bounded by
-    epochs keep Lightning's behaviour.
+    epochs keep Lightning's behaviour. The logger's version shows as ``version: 0`` (Lightning's metric
+    format turned it into ``v_num: 0.000``).
 
     :class:`genrl.cli.GenRLCLI` puts it in place of the default bar; add it to ``trainer.callbacks`` yourself
     when building a ``Trainer`` in Python.
@@ -37,6 +38,14 @@ class StepProgressBar(RichProgressBar):
         self.progress.update(self.train_progress_bar_id, total=trainer.max_steps,
                              completed=min(trainer.global_step, trainer.max_steps), description=self.DESCRIPTION)
         self.refresh()
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        """Lightning's metrics, with the logger's version as the text ``version`` instead of the number
+        ``v_num``."""
+        items = super().get_metrics(trainer, pl_module)
+        if "v_num" in items:
+            items = {"version": str(items.pop("v_num")), **items}
+        return items
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Lightning's set-up of the training bar, then total = ``max_steps``, completed = ``global_step``."""
