@@ -3,12 +3,11 @@
     python evaluation/shapes_eval.py --model assets/shapes-dit --split heldout --num-prompts 256 \
         --steps 20 --cfg-scale 3.0 --seeds 0 1 2 --out runs/eval/shapes-dit.json
 
-``--steps`` / ``--cfg-scale`` / ``--shift`` default to the sampler a genrl export recorded (the method's
-validation sampler), else 20 / 3 / 1. For each seed, samples one video per prompt with the deterministic Euler ODE
-sampler and CFG, scores it
-with ``ShapesVerifier`` and reports mean soft scores, hard accuracies and the all-attributes-correct rate;
-the spread over seeds is reported too. Prompts: ``--split heldout`` (combinations never trained on),
-``train`` or ``all``, single-step captions by default (``--multi-step`` adds two-segment ones).
+``--steps`` / ``--cfg-scale`` / ``--shift`` default to the sampler a genrl export or checkpoint recorded (the
+method's validation sampler), else 20 / 3 / 1. For each seed, samples one video per prompt with the deterministic
+Euler ODE sampler and CFG, scores it with ``ShapesVerifier`` and reports mean soft scores, hard accuracies and the
+all-attributes-correct rate; the spread over seeds is reported too. Prompts: ``--split heldout`` (combinations
+never trained on), ``train`` or ``all``, single-step captions by default (``--multi-step`` adds two-segment ones).
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--multi-step", action="store_true", help="include two-segment captions")
     p.add_argument("--steps", type=int, default=None,
-                   help="Euler steps (default: the export's recorded validation sampler, else 20)")
+                   help="Euler steps (default: the recorded validation sampler, else 20)")
     p.add_argument("--cfg-scale", type=float, default=None, help="CFG scale w (default: recorded, else 3)")
     p.add_argument("--shift", type=float, default=None, help="sigma shift (default: recorded, else 1)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     world = ShapesWorldConfig(**json.loads(args.world)) if args.world else ShapesWorldConfig()
     # a DiT folder (save_pretrained) or a genrl fit checkpoint (its EMA weights when present)
     generator = load_generator(args.model, text_encoder=args.text_encoder)
-    recorded = generator.load_info.get("sampling") or {}  # an export's validation sampler (genrl_export.json)
+    recorded = generator.load_info.get("sampling") or {}  # the recorded validation sampler (export or checkpoint)
     for key, name, default in (("steps", "steps", 20), ("cfg_scale", "cfg_scale", 3.0), ("shift", "shift", 1.0)):
         if getattr(args, name) is None:
             setattr(args, name, recorded.get(key, default))

@@ -28,7 +28,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
 import genrl.methods  # noqa: F401  (registers genrl's methods for short class names)
-from genrl.callbacks import InterruptCheckpoint, StepProgressBar
+from genrl.callbacks import InterruptCheckpoint, SamplingRecord, StepProgressBar
 
 __all__ = ["GenRLArgumentParser", "GenRLCLI", "check_legacy_keys", "main", "suggest_keys"]
 
@@ -168,7 +168,8 @@ class GenRLCLI(LightningCLI):
     """LightningCLI with genrl's defaults: subclass mode for model and data, omegaconf interpolation,
     config saved next to the logs (overwritten on resume), optimizers configured by the methods; an
     :class:`~genrl.callbacks.InterruptCheckpoint` on every run (Ctrl-C / SIGTERM save a resumable checkpoint and
-    print the resume command); errors that lead with the problem (:class:`GenRLArgumentParser`); and an
+    print the resume command) and a :class:`~genrl.callbacks.SamplingRecord` (checkpoints record the validation
+    sampler); errors that lead with the problem (:class:`GenRLArgumentParser`); and an
     accelerator that is not available here refused before any model is built."""
 
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
@@ -183,7 +184,7 @@ class GenRLCLI(LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         # the resume command repeats the arguments (a CLI built with run=False is used as `fit`)
         argv = None if args is None else [*([] if run else ["fit"]), *args]
-        defaults["callbacks"] = [*callbacks, InterruptCheckpoint(argv=argv)]
+        defaults["callbacks"] = [*callbacks, InterruptCheckpoint(argv=argv), SamplingRecord()]
         kwargs["trainer_defaults"] = defaults
         check_legacy_keys(args)
         super().__init__(args=args, run=run, **kwargs)

@@ -29,8 +29,9 @@ of a ``VideoDiT``, e.g. ``assets/shapes-dit`` or a run's ``export/``), a diffuse
 ``shapes:heldout``), the latter cut to ``--limit``.
 
 Sampling is the deterministic ODE of :func:`genrl.rollout.sampler.rollout` (``--steps``, ``--cfg-scale``,
-``--shift``; defaults: the sampler a genrl export recorded (``genrl_export.json``: the method's validation
-sampler, e.g. the quickstart's 10 steps at CFG 1), else per model: the DiT 20 / 3 / 1, families see
+``--shift``; defaults: the sampler a genrl export or checkpoint recorded (``genrl_export.json``, or a checkpoint's
+``genrl_sampling``: the method's validation sampler, e.g. the quickstart's 10 steps at CFG 1), else per model:
+the DiT 20 / 3 / 1, families see
 ``genrl.models.loading.FAMILY_DEFAULTS``).
 Prompt p's sample k has the global index i = p * N + k (N = ``--samples-per-prompt``) and its noise is
 addressed by (``--seed``, i), so a sample does not depend on its batch: the same command regenerates the
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          num_frames=args.frames, torch_dtype=dtype, use_ema=not args.no_ema,
                          pretrained=args.pretrained)
     gen.to(device)
-    recorded = gen.load_info.get("sampling") or {}  # an export's validation sampler: the defaults it was trained for
+    recorded = gen.load_info.get("sampling") or {}  # the recorded validation sampler (export or checkpoint)
     if isinstance(gen, DiTGenerator):
         kind, d = "dit", DIT_DEFAULTS
         height, width = args.height or d["height"], args.width or d["width"]

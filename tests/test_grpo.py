@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -67,6 +68,13 @@ def test_resume_equals_uninterrupted_and_params_change(tmp_path, monkeypatch, ti
     cfg = full.model.eval_config
     sampling = load_generator("runs/quickstart/export", text_encoder=tiny_text_encoder).load_info["sampling"]
     assert sampling == {"steps": 2, "cfg_scale": cfg.cfg_scale, "shift": cfg.shift}
+    # so does every checkpoint (SamplingRecord), and an export made from a checkpoint keeps it
+    ckpt = "runs/quickstart/checkpoints/last.ckpt"
+    assert load_generator(ckpt, text_encoder=tiny_text_encoder).load_info["sampling"] == sampling
+    from pipelines.export import main as export
+
+    export(["--ckpt", ckpt, "--out", "exported"])
+    assert json.loads(Path("exported/genrl_export.json").read_text())["sampling"] == sampling
     monkeypatch.chdir(tmp_path / "b")
     first = _fit([enc, "--trainer.max_steps=2"])
     after_two = _trainable(first)

@@ -2,10 +2,10 @@
 progress bar."""
 
 from genrl.callbacks.ema import EMA, find_ema
-from genrl.callbacks.export import DiffusersExport
+from genrl.callbacks.export import DiffusersExport, SamplingRecord
 from genrl.callbacks.interrupt import InterruptCheckpoint, resume_command
 from genrl.callbacks.progress import StepProgressBar
 from genrl.callbacks.video_logger import VideoLogger, filmstrip
 
-__all__ = ["EMA", "find_ema", "DiffusersExport", "InterruptCheckpoint", "resume_command",
+__all__ = ["EMA", "find_ema", "DiffusersExport", "SamplingRecord", "InterruptCheckpoint", "resume_command",
            "StepProgressBar", "VideoLogger", "filmstrip"]

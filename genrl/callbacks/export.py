@@ -10,9 +10,13 @@ from pathlib import Path
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from genrl.callbacks.ema import find_ema
-from genrl.models.loading import CAUSAL_SCHEDULE_FILE, EXPORT_INFO_FILE  # the export layout load_generator reads
+from genrl.models.loading import (  # the export / checkpoint layout load_generator reads
+    CAUSAL_SCHEDULE_FILE,
+    CHECKPOINT_SAMPLING_KEY,
+    EXPORT_INFO_FILE,
+)
 
-__all__ = ["DiffusersExport", "sampling_of"]
+__all__ = ["DiffusersExport", "SamplingRecord", "sampling_of"]
 
 
 def sampling_of(pl_module: LightningModule) -> dict | None:
@@ -30,6 +34,20 @@ def sampling_of(pl_module: LightningModule) -> dict | None:
     if "sample_steps" in h:
         return {"steps": int(h["sample_steps"]), "cfg_scale": float(h["cfg_scale"]), "shift": float(h["sample_shift"])}
     return None
+
+
+class SamplingRecord(Callback):
+    """Write the method's validation sampler (:func:`sampling_of`, or None) into every Lightning checkpoint under
+    ``checkpoint["genrl_sampling"]``, so that a checkpoint, like an export, tells
+    :func:`genrl.models.loading.load_generator` (``load_info["sampling"]``), ``pipelines/generate.py``,
+    ``evaluation/shapes_eval.py`` and ``pipelines/export.py`` how the model was trained and validated.
+
+    :class:`genrl.cli.GenRLCLI` adds it to every run; add it yourself when building a ``Trainer`` in Python.
+    Checkpoints written without it load with ``load_info["sampling"]`` None (the family defaults apply).
+    """
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        checkpoint[CHECKPOINT_SAMPLING_KEY] = sampling_of(pl_module)
 
 
 class DiffusersExport(Callback):

@@ -43,6 +43,9 @@ __all__ = ["load_generator", "check_sample_size", "size_multiples",
 CAUSAL_SCHEDULE_FILE = "causal_schedule.json"
 #: file next to an export's config.json saying how it was made (``{"ema": bool, "global_step": int}``).
 EXPORT_INFO_FILE = "genrl_export.json"
+#: top-level key of a ``genrl fit`` checkpoint holding the validation sampler ``{"steps", "cfg_scale", "shift"}``
+#: (written by ``genrl.callbacks.SamplingRecord``; read into ``load_info["sampling"]``).
+CHECKPOINT_SAMPLING_KEY = "genrl_sampling"
 
 #: diffusers pipeline ``_class_name`` (model_index.json) -> genrl family.
 PIPELINE_FAMILIES: dict[str, str] = {
@@ -256,7 +259,8 @@ def _load_weights(generator, ckpt: dict, use_ema: bool, source: Path) -> None:
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
             f"{'...' if len(unexpected) > 5 else ''}; was the recorded base model (pretrained=) or LoRA changed?"
         )
-    generator.load_info = dict(path=str(source), kind="checkpoint", ema=ema, lora=has_lora(generator))
+    generator.load_info = dict(path=str(source), kind="checkpoint", ema=ema, lora=has_lora(generator),
+                               sampling=ckpt.get(CHECKPOINT_SAMPLING_KEY))
 
 
 def _add_lora(generator, lora) -> None:
@@ -364,7 +368,8 @@ def load_generator(
         :class:`~genrl.models.families.DiffusersGenerator` (CPU, eval mode). A checkpoint trained with LoRA
         returns the base model with the trained adapter attached (see :func:`has_lora`). ``generator.load_info``
         says what was loaded: ``{"path", "kind": "checkpoint" | "pipeline" | "dit_folder", "ema": bool (an EMA
-        shadow was applied), "lora": bool}``.
+        shadow was applied), "lora": bool, "sampling": the validation sampler ``{"steps", "cfg_scale", "shift"}``
+        an export or checkpoint recorded, else None}``.
     Raises:
         FileNotFoundError: nothing at ``model`` (or a folder that is none of the three kinds), or a
             checkpoint's recorded base model is missing here; the message names the path and what was expected.
