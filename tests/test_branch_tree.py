@@ -460,8 +460,10 @@ def test_regenerate_leaf_draws_node_noise_on_the_generators_device(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device next to the CPU")
 def test_tree_rollout_on_cuda_feeds_the_network_there_and_equals_the_cpu_rollout():
     """A generator on CUDA gets its initial noise, nodes and sigmas there (all 7 micro-batch calls, x and sigma, on
-    CUDA); the recorded rollout (CPU tensors) equals the all-CPU rollout."""
-    config = RolloutConfig(num_steps=3, kernel="flow_grpo", noise_level=0.7, micro_batch_size=2)
+    CUDA); the recorded rollout (CPU tensors) equals the all-CPU rollout under the Philox noise backend (the same
+    integer stream on both devices; CUDA and CPU torch.Generators give different noise)."""
+    config = RolloutConfig(num_steps=3, kernel="flow_grpo", noise_level=0.7, micro_batch_size=2,
+                           noise_backend="philox")
     tree = TreeConfig(split_steps=[0, 1], split_noise_scale=2.0)
     gpu = _RowStub("cuda")
     ro = tree_rollout(gpu, PROMPTS, (2, 3), seed=4, tree_indices=[3, 8], config=config, tree=tree)

@@ -518,7 +518,7 @@ def test_afd_discriminator_loss_noises_pairs_by_iteration_salt_and_clip_ids():
 
 def test_rand_per_sample_defaults_step_and_stream_zero_and_moves_to_device():
     """rand_per_sample's address defaults to step 0, stream 0 (the same draws as passing them; other steps / streams
-    differ), and the draws are made on the CPU then moved to ``device`` (meta here)."""
+    differ), and the draws are returned on ``device`` (meta here: shapes only)."""
     from genrl.noise import rand_per_sample
 
     base = rand_per_sample((3,), 11, [0, 4])
@@ -526,7 +526,9 @@ def test_rand_per_sample_defaults_step_and_stream_zero_and_moves_to_device():
     assert not torch.equal(base, rand_per_sample((3,), 11, [0, 4], step=1))
     assert not torch.equal(base, rand_per_sample((3,), 11, [0, 4], stream=1))
     assert bool(((base >= 0) & (base < 1)).all())
-    assert rand_per_sample((3,), 11, [0, 4], device="meta").device.type == "meta"
+    for backend in ("generator", "philox"):
+        out = rand_per_sample((3,), 11, [0, 4], device="meta", backend=backend)
+        assert out.device.type == "meta" and out.shape == (2, 3)
 
 
 def _splitmix64_reference(x: int) -> int:

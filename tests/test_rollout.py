@@ -292,16 +292,16 @@ def test_rollout_grad_full_backpropagates_and_progress_bar_runs():
 
 
 def test_rollout_draws_noise_and_sigmas_on_the_generators_device(monkeypatch):
-    """rollout draws every noise on generator.device and hands the network and the kernel sigmas on it (meta here;
-    spies stand in for the noise draw and the step kernel, which record the devices)."""
+    """rollout draws every noise on generator.device with the config's noise backend and hands the network and the
+    kernel sigmas on it (meta here; spies stand in for the noise draw and the step kernel, which record the devices)."""
     import importlib
     from types import SimpleNamespace
 
     sampler = importlib.import_module("genrl.rollout.sampler")
     seen = {"noise": [], "velocity": [], "step": []}
 
-    def fake_randn(shape, seed, indices, step=0, stream=0, device="cpu"):
-        seen["noise"].append(None if device is None else torch.device(device).type)
+    def fake_randn(shape, seed, indices, step=0, stream=0, device="cpu", backend="generator"):
+        seen["noise"].append((None if device is None else torch.device(device).type, backend))
         return torch.zeros(len(indices), *shape)
 
     def fake_step(kind, x, v, sigma, sigma_next, noise, **kw):
@@ -316,7 +316,10 @@ def test_rollout_draws_noise_and_sigmas_on_the_generators_device(monkeypatch):
     monkeypatch.setattr(sampler, "randn_per_sample", fake_randn)
     monkeypatch.setattr(sampler, "sde_step", fake_step)
     rollout(_Spy("meta"), ["a", "b"], (3,), seed=0, config=RolloutConfig(num_steps=3))
-    assert seen == {"noise": ["meta"] * 3, "velocity": ["meta"] * 3, "step": [("meta", "meta")] * 3}
+    assert seen == {"noise": [("meta", "generator")] * 3, "velocity": ["meta"] * 3, "step": [("meta", "meta")] * 3}
+    seen["noise"].clear()
+    rollout(_Spy("meta"), ["a", "b"], (3,), seed=0, config=RolloutConfig(num_steps=3, noise_backend="philox"))
+    assert seen["noise"] == [("meta", "philox")] * 3
 
 
 def test_rollout_config_validates_schedule_and_scales():

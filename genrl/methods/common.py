@@ -178,13 +178,14 @@ def configure_policy_optimizer(method: LightningModule):
 
 def ode_validation_config(rollout: RolloutConfig, num_steps: int | None = None) -> RolloutConfig:
     """The default validation sampler of a flat-rollout method: the deterministic ODE with the rollout's shift, CFG
-    scale, null prompt and micro-batch, ``num_steps`` steps (default: the rollout's); the rollout's explicit sigma
-    ``schedule`` too when the step count is the rollout's (a schedule of another length cannot apply: the shift's
-    schedule is used then)."""
+    scale, null prompt, micro-batch, batching and noise backend, ``num_steps`` steps (default: the rollout's); the
+    rollout's explicit sigma ``schedule`` too when the step count is the rollout's (a schedule of another length
+    cannot apply: the shift's schedule is used then)."""
     steps = num_steps or rollout.num_steps
     return RolloutConfig(kernel="ode", num_steps=steps, shift=rollout.shift, cfg_scale=rollout.cfg_scale,
                          micro_batch_size=rollout.micro_batch_size, null_prompt=rollout.null_prompt,
-                         schedule=rollout.schedule if steps == rollout.num_steps else None)
+                         schedule=rollout.schedule if steps == rollout.num_steps else None,
+                         batching=rollout.batching, noise_backend=rollout.noise_backend)
 
 
 def check_finite(loss: torch.Tensor, role: str, iteration: int, hint: str = "") -> None:

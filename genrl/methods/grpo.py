@@ -126,9 +126,9 @@ class GRPO(LightningModule):
 
     # ------------------------------------------------------------------ the algorithm
     def _reference_velocity(self, x, sigma, cond, uncond, cfg):
-        mb = self.rollout_config.micro_batch_size
+        rc = self.rollout_config
         with torch.no_grad(), self.roles.reference(self.generator) as gen:
-            return guided_velocity(gen, x, sigma, cond, uncond, cfg, mb)
+            return guided_velocity(gen, x, sigma, cond, uncond, cfg, rc.micro_batch_size, rc.batching)
 
     def step_loss(self, sub, k: int, cond, uncond, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped surrogate (PPO eq. 7) on step ``k`` of the trajectories ``sub`` with advantages ``adv`` [b], plus

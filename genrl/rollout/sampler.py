@@ -6,9 +6,11 @@ the same pure function the losses call through :func:`transition_log_prob`, so a
 unchanged weights equals the rollout's bit for bit (importance ratio exactly 1 on the first update).
 
 Reproducibility (docs/architecture.md, Seeds and noise addressing): the initial noise of sample i is drawn from
-(seed, i, step 0) and the noise of its SDE step k from (seed, i, step k + 1); the network runs in fixed-size
-micro-batches (the last one padded by repetition) and text is padded to a fixed length, so a sample's trajectory
-does not depend on which other samples share its batch: regenerating sample i alone reproduces it bitwise.
+(seed, i, step 0) and the noise of its SDE step k from (seed, i, step k + 1), on the generator's device; with
+``batching="fixed"`` (the default) the network runs in fixed-size micro-batches (the last one padded by repetition)
+and text is padded to a fixed length, so a sample's trajectory does not depend on which other samples share its
+batch: regenerating sample i alone reproduces it bitwise. ``batching="fast"`` / ``"bucketed"`` size the calls to the
+work instead (docs/architecture.md, Batching: bitwise or fast).
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import torch
 from genrl.flow import cfg_combine, sigma_schedule
 from genrl.flow.sde import sde_step, step_log_prob
 from genrl.models.text_encoder import Conditioning
-from genrl.noise import mix_seed, randn_per_sample
+from genrl.noise import NoiseBackend, check_backend, mix_seed, randn_per_sample
 
-__all__ = ["RolloutConfig", "Trajectory", "rollout", "guided_velocity", "transition_log_prob", "sde_mask", "encode_cfg"]
+__all__ = ["BATCHING_MODES", "RolloutConfig", "Trajectory", "call_plan", "encode_cfg", "guided_velocity", "rollout",
+           "sde_mask", "transition_log_prob"]
 
 Kernel = Literal["ode", "flow_grpo", "dance_grpo"]
+Batching = Literal["fixed", "fast", "bucketed"]
+#: the accepted values of ``RolloutConfig.batching``.
+BATCHING_MODES = ("fixed", "fast", "bucketed")
 
 
 @dataclass
@@ -48,8 +54,17 @@ class RolloutConfig:
         window_start, window_end: range of the window (``window_end`` None = ``num_steps``).
         skip_last_step: never make the last step stochastic (its Gaussian is so narrow that log-probs blow
             up; Flow-GRPO and DanceGRPO exclude it).
-        micro_batch_size: samples per network call (the last call is padded by repetition); fixed shapes
-            make results independent of batch composition.
+        micro_batch_size: samples per network call: exactly (``batching="fixed"``, the last call padded by
+            repetition) or at most (``"fast"`` / ``"bucketed"``).
+        batching: ``"fixed"`` (default): every call has ``micro_batch_size`` rows, so a sample's result is bitwise
+            independent of the batch it was drawn in (and a recomputed log-prob equals the rollout's bitwise);
+            ``"fast"``: ``ceil(B / micro_batch_size)`` calls of near-equal size, no padding (a tree's small frontier
+            costs only its own rows; results depend on the call size in the last bits, the first update's ratio is 1
+            up to float rounding); ``"bucketed"``: as ``"fast"`` with each call padded up to a power of two (at most
+            ``micro_batch_size``), so a compiled denoiser sees a few static shapes. docs/architecture.md.
+        noise_backend: ``"generator"`` (one ``torch.Generator`` per sample on the generator's device) or
+            ``"philox"`` (counter-based, one batched draw, the same integer stream on every device); see
+            :mod:`genrl.noise`.
         null_prompt: the unconditional prompt for CFG.
         schedule: an explicit sigma schedule of ``num_steps + 1`` values, descending from at most 1 to 0, used instead
             of the shifted uniform one (e.g. the ``sigmas`` of a diffusers scheduler after ``set_timesteps``, to
@@ -69,6 +84,8 @@ class RolloutConfig:
     micro_batch_size: int = 8
     null_prompt: str = ""
     schedule: list[float] | None = None
+    batching: Batching = "fixed"
+    noise_backend: NoiseBackend = "generator"
 
     def __post_init__(self) -> None:
         if self.schedule is not None:
@@ -87,6 +104,10 @@ class RolloutConfig:
             raise ValueError(f"noise_level and cfg_scale must be >= 0, got {self.noise_level}, {self.cfg_scale}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"unknown batching {self.batching!r}; use 'fixed' (bitwise batch-independent), 'fast' "
+                             f"(calls sized to the work) or 'bucketed' (fast, padded to powers of two for compile)")
+        check_backend(self.noise_backend)
         if self.sde_steps != "all" and not 1 <= self.num_sde_steps <= self.num_steps:
             raise ValueError(f"num_sde_steps must be in [1, num_steps={self.num_steps}], got {self.num_sde_steps}")
 
@@ -174,17 +195,41 @@ class Trajectory:
         )
 
 
-def _micro_batches(n: int, size: int):
-    for start in range(0, n, size):
-        rows = list(range(start, min(n, start + size)))
-        yield rows, rows + [rows[-1]] * (size - len(rows))
+def call_plan(n: int, size: int, batching: str = "fixed") -> list[tuple[list[int], list[int]]]:
+    """How ``n`` rows are split into network calls: a list of (rows, padded rows) per call, ``padded`` being
+    ``rows`` followed by repeats of its last row.
+
+    ``"fixed"``: consecutive calls of exactly ``size`` rows (the last one padded); ``"fast"``: ``ceil(n / size)``
+    calls of near-equal size (sizes differ by at most 1), no padding; ``"bucketed"``: the fast split, each call
+    padded up to the next power of two, capped at ``size``.
+
+    Raises:
+        ValueError: ``size`` < 1 or an unknown ``batching``.
+    """
+    if size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {size}")
+    if batching not in BATCHING_MODES:
+        raise ValueError(f"unknown batching {batching!r}; use one of {BATCHING_MODES}")
+    if batching == "fixed":
+        chunks = [list(range(s, min(n, s + size))) for s in range(0, n, size)]
+        return [(rows, rows + [rows[-1]] * (size - len(rows))) for rows in chunks]
+    calls = -(-n // size)
+    plan, start = [], 0
+    for c in range(calls):
+        m = n // calls + (1 if c < n % calls else 0)
+        rows = list(range(start, start + m))
+        start += m
+        target = min(size, 1 << (m - 1).bit_length()) if batching == "bucketed" else m
+        plan.append((rows, rows + [rows[-1]] * (target - m)))
+    return plan
 
 
 def guided_velocity(
     generator, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, uncond: Conditioning | None,
-    cfg_scale: float, micro_batch_size: int,
+    cfg_scale: float, micro_batch_size: int, batching: str = "fixed",
 ) -> torch.Tensor:
-    """Velocity with CFG ``v_u + w (v_c - v_u)`` (Ho & Salimans 2022), evaluated in fixed micro-batches.
+    """Velocity with CFG ``v_u + w (v_c - v_u)`` (Ho & Salimans 2022), evaluated in the network calls of
+    :func:`call_plan` (``batching``: ``"fixed"`` micro-batches by default).
 
     Args:
         x: [B, *latent]; sigma: [B] or [B, T]; cond / uncond: B prompts each (uncond None when w = 1).
@@ -192,12 +237,14 @@ def guided_velocity(
         float32 velocity [B, *latent]; differentiable when grad is enabled.
     """
     outs = []
-    for rows, padded in _micro_batches(x.shape[0], micro_batch_size):
-        idx = torch.tensor(padded, device=x.device)
-        xb, sb = x[idx], sigma[idx]
-        cb = cond.select(padded)
+    for rows, padded in call_plan(x.shape[0], micro_batch_size, batching):
+        if padded == list(range(x.shape[0])):  # one call over every row, in order: no copy
+            xb, sb, cb = x, sigma, cond
+        else:
+            idx = torch.tensor(padded, device=x.device)
+            xb, sb, cb = x[idx], sigma[idx], cond.select(padded)
         if uncond is not None and cfg_scale != 1.0:
-            ub = uncond.select(padded)
+            ub = uncond if cb is cond else uncond.select(padded)
             v_c, v_u = generator.velocity(torch.cat([xb, xb]), torch.cat([sb, sb]),
                                           Conditioning.cat([cb, ub])).float().chunk(2)
             v = cfg_combine(v_c, v_u, cfg_scale)
@@ -264,7 +311,7 @@ def rollout(
     ctx = torch.enable_grad() if grad == "full" else torch.no_grad()
     with ctx:
         cond, uncond = _encode(generator, list(prompts), config)
-        x = randn_per_sample(latent_shape, seed, indices, step=0, device=device)
+        x = randn_per_sample(latent_shape, seed, indices, step=0, device=device, backend=config.noise_backend)
         latents, noises, log_probs, means = [x.detach().cpu()], [], [], []
         steps = range(config.num_steps)
         if progress:
@@ -273,9 +320,11 @@ def rollout(
             steps = track(steps, description="rollout")
         for k in steps:
             s = sig32[k].expand(n)
-            v = guided_velocity(generator, x, s, cond, uncond, config.cfg_scale, config.micro_batch_size)
+            v = guided_velocity(generator, x, s, cond, uncond, config.cfg_scale, config.micro_batch_size,
+                                config.batching)
             if mask[k]:
-                noise = randn_per_sample(latent_shape, seed, indices, step=k + 1, device=device)
+                noise = randn_per_sample(latent_shape, seed, indices, step=k + 1, device=device,
+                                         backend=config.noise_backend)
                 kind = config.kernel
             else:
                 noise = torch.zeros_like(x)
@@ -313,7 +362,8 @@ def transition_log_prob(
     """Log-prob of the recorded transition ``latents[:, step] -> latents[:, step + 1]`` under the current weights.
 
     Uses the same guided velocity (same micro-batches, same CFG) and the same kernel as :func:`rollout`,
-    so with unchanged weights the result equals ``traj.log_probs[:, step]`` exactly.
+    so with unchanged weights the result equals ``traj.log_probs[:, step]`` exactly (``batching="fixed"``; with
+    ``"fast"`` / ``"bucketed"`` up to float rounding when ``traj`` is a sub-batch of the rollout).
 
     Args:
         traj: a recorded trajectory; step: a stochastic step (``traj.sde_mask[step]``).
@@ -337,7 +387,7 @@ def transition_log_prob(
     x = traj.latents[:, step].to(device)
     sample = traj.latents[:, step + 1].to(device)
     n = x.shape[0]
-    v = guided_velocity(generator, x, sig32[step].expand(n), cond, uncond, w, config.micro_batch_size)
+    v = guided_velocity(generator, x, sig32[step].expand(n), cond, uncond, w, config.micro_batch_size, config.batching)
     sigma_at_one = config.sigma_at_one(traj.sigmas)
     log_prob, mean, _ = step_log_prob(config.kernel, x, v, sig32[step], sig32[step + 1], sample,
                                       noise_level=config.noise_level, sigma_at_one=sigma_at_one)

@@ -211,7 +211,8 @@ def _tree_step(config: RolloutConfig, tree: TreeConfig, k: int, stochastic: bool
     """
     if not stochastic:
         return sde_step("ode", x, v, sig32[k], sig32[k + 1], None), 1.0
-    noise = randn_per_sample(latent_shape, seed, _node_index(tree_index, codes), step=k + 1, device=x.device)
+    noise = randn_per_sample(latent_shape, seed, _node_index(tree_index, codes), step=k + 1, device=x.device,
+                             backend=config.noise_backend)
     split = k in tree.split_steps
     scale = tree.split_noise_scale if split else 1.0
     if split and tree.reference_split_log_prob:  # the reference code: sample with kappa s, score with s
@@ -264,7 +265,7 @@ def tree_rollout(
     mask = tree.sde_mask(config.num_steps)
     with torch.no_grad():
         cond_t, uncond_t = _encode(generator, list(prompts), config)
-        x = randn_per_sample(latent_shape, seed, idx, step=0, device=device)
+        x = randn_per_sample(latent_shape, seed, idx, step=0, device=device, backend=config.noise_backend)
         node_tree = torch.arange(p)
         codes = torch.zeros(p, dtype=torch.long)
         latents, parents, trees, all_codes, log_probs = [x.cpu()], [torch.zeros(0, dtype=torch.long)], [node_tree], \
@@ -281,7 +282,7 @@ def tree_rollout(
             cond = cond_t.select(node_tree)
             uncond = uncond_t.select(node_tree) if uncond_t is not None else None
             v = guided_velocity(generator, x, sig32[k].expand(n), cond, uncond, config.cfg_scale,
-                                config.micro_batch_size)
+                                config.micro_batch_size, config.batching)
             f = tree.children(k)
             par = torch.arange(n).repeat_interleave(f)
             child_tree = node_tree.repeat_interleave(f)
@@ -331,7 +332,7 @@ def edge_log_prob(
         cond, uncond = _encode(generator, prompts, config)
     sig32 = rollout.sigmas.to(device=device, dtype=torch.float32)
     v = guided_velocity(generator, x, sig32[step].expand(x.shape[0]), cond, uncond, config.cfg_scale,
-                        config.micro_batch_size)
+                        config.micro_batch_size, config.batching)
     sigma_at_one = config.sigma_at_one(rollout.sigmas)
     lp, _, _ = step_log_prob(config.kernel, x, v, sig32[step], sig32[step + 1], sample,
                              noise_level=config.noise_level, sigma_at_one=sigma_at_one,
@@ -346,7 +347,8 @@ def regenerate_leaf(
 ) -> torch.Tensor:
     """Sample one leaf of a tree alone, as a chain: the same noise addresses (seed, tree index, path code, step)
     and the same kernel and scales as :func:`tree_rollout`, so the result equals that leaf of the full tree
-    bitwise (the sampler's fixed micro-batches make each row independent of its batch).
+    bitwise under ``batching="fixed"`` (fixed micro-batches make each row independent of its batch; with ``"fast"``
+    the chain's one-row calls match the tree's frontier calls only up to float rounding).
 
     Args:
         prompt: the tree's prompt; tree_index: its global index; leaf_code: the leaf's path code
@@ -363,10 +365,10 @@ def regenerate_leaf(
     f, n_splits = tree.branch_factor, len(tree.split_steps)
     with torch.no_grad():
         cond, uncond = _encode(generator, [prompt], config)
-        x = randn_per_sample(latent_shape, seed, [tree_index], step=0, device=device)
+        x = randn_per_sample(latent_shape, seed, [tree_index], step=0, device=device, backend=config.noise_backend)
         for k in range(config.num_steps):
             v = guided_velocity(generator, x, sig32[k].expand(1), cond, uncond, config.cfg_scale,
-                                config.micro_batch_size)
+                                config.micro_batch_size, config.batching)
             done = sum(1 for s in tree.split_steps if s <= k)
             code = int(leaf_code) // f ** (n_splits - done)
             x = _tree_step(config, tree, k, bool(mask[k]), x, v, sig32, sigma_at_one, latent_shape, seed,
