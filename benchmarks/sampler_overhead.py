@@ -61,21 +61,7 @@ def measure(gen, shape, prompts, config, repeats: int) -> dict:
     real_noise, real_step = sampler.randn_per_sample, sampler.sde_step
     n = len(prompts)
     with torch.no_grad():
-        rollout(gen, prompts, shape, seed=0, config=config)  # warm-up (and the prompt cache)
-        walls, noise_s, kernel_s = [], [], []
-        for r in range(repeats):
-            spent.update(noise=0.0, kernel=0.0)
-            sampler.randn_per_sample, sampler.sde_step = timed("noise", real_noise), timed("kernel", real_step)
-            try:
-                t0 = time.perf_counter()
-                rollout(gen, prompts, shape, seed=1 + r, config=config, rollout_id=r)
-                walls.append(time.perf_counter() - t0)
-            finally:
-                sampler.randn_per_sample, sampler.sde_step = real_noise, real_step
-            noise_s.append(spent["noise"])
-            kernel_s.append(spent["kernel"])
-
-        cond, uncond = encode_cfg(gen, prompts, config)
+        cond, uncond = encode_cfg(gen, prompts, config)  # also fills the prompt cache the rollouts read
         plan = call_plan(n, config.micro_batch_size, config.batching)
         x = torch.randn(n, *shape, generator=torch.Generator().manual_seed(0)).to(gen.device)
         sigma = torch.full((n,), 0.5, device=gen.device)
@@ -89,16 +75,31 @@ def measure(gen, shape, prompts, config, repeats: int) -> dict:
                 c = Conditioning.cat([c, uncond.select(padded)])
                 idx = torch.cat([idx, idx])
             calls.append((x[idx].contiguous(), sigma[idx].contiguous(), c))
-        gen.velocity(*calls[0])
-        raws = []
-        for _ in range(repeats):
+
+        def raw_forwards() -> float:
             total = 0.0
             for _step in range(config.num_steps):
                 for xb, sb, cb in calls:
                     t0 = time.perf_counter()
                     gen.velocity(xb, sb, cb)
                     total += time.perf_counter() - t0
-            raws.append(total)
+            return total
+
+        rollout(gen, prompts, shape, seed=0, config=config)  # warm-up
+        raw_forwards()
+        walls, raws, noise_s, kernel_s = [], [], [], []
+        for r in range(repeats):  # interleaved, so a change in the machine's load hits both alike
+            spent.update(noise=0.0, kernel=0.0)
+            sampler.randn_per_sample, sampler.sde_step = timed("noise", real_noise), timed("kernel", real_step)
+            try:
+                t0 = time.perf_counter()
+                rollout(gen, prompts, shape, seed=1 + r, config=config, rollout_id=r)
+                walls.append(time.perf_counter() - t0)
+            finally:
+                sampler.randn_per_sample, sampler.sde_step = real_noise, real_step
+            noise_s.append(spent["noise"])
+            kernel_s.append(spent["kernel"])
+            raws.append(raw_forwards())
     wall, raw = statistics.median(walls), statistics.median(raws)
     return {"rollout_s": wall, "raw_forwards_s": raw, "overhead": wall / raw - 1,
             "noise_s": statistics.median(noise_s), "kernel_s": statistics.median(kernel_s),
