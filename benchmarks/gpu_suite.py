@@ -306,7 +306,7 @@ def run_sections(sections: list[Section], ctx: SuiteContext, report: dict, selec
             rec["status"] = "skipped: not selected (--sections)"
             continue
         if left < need:
-            rec["status"] = f"skipped: budget ({left:.0f} s left, the section needs about {need:.0f} s)"
+            rec["status"] = f"skipped: budget ({max(left, 0):.0f} s left, the section needs about {need:.0f} s)"
             ctx.log(f"section {i}/{len(sections)} {sec.name}: {rec['status']}")
             ctx.save()
             continue
@@ -583,7 +583,7 @@ def section_fp8_compile(ctx: SuiteContext, out: dict) -> None:
     def variant(key: str, convert: Callable[[torch.nn.Module], int] | None) -> dict:
         rec = out.setdefault(key, {})
         if ctx.remaining() < part_need:
-            rec["status"] = f"skipped: budget ({ctx.remaining():.0f} s left, needs about {part_need:.0f} s)"
+            rec["status"] = f"skipped: budget ({max(ctx.remaining(), 0):.0f} s left, needs about {part_need:.0f} s)"
             return rec
         ctx.log(f"  {key}: converting and compiling ({ctx.remaining():.0f} s of budget left)")
         torch._dynamo.reset()
@@ -845,6 +845,10 @@ def main(argv: list[str] | None = None, start: float | None = None) -> dict:
     report["env"] = environment(device)
     log(f"device {report['env'].get('gpu') or device}, torch {torch.__version__}, diffusers "
         f"{report['env']['diffusers']}, torchao {report['env']['torchao']}; writing {out}")
+    missing = [name for name in ("diffusers", "transformers", "peft") if report["env"][name] == "not installed"]
+    if missing:
+        log(f"missing packages {missing}: sections 1-4 and the model part of 5 will fail; carry them as wheels "
+            f"(docs/gpu_suite.md)")
     ctx = SuiteContext(tiny=args.tiny, device=device, dtype=torch.float32 if args.tiny else torch.bfloat16,
                        deadline=start + args.budget_s,
                        compile_backend=args.compile_backend or ("eager" if device.type == "cpu" else "inductor"),
