@@ -517,7 +517,9 @@ def to_fp8_torchao(model: torch.nn.Module) -> int:
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
-        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+        # set_inductor_config=False: compile with the same inductor settings as the bf16 variant (torchao's
+        # recommended ones turn on coordinate-descent tuning, which lengthens the compile)
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
     except ImportError:  # older torchao: the function form
         from torchao.quantization import PerRow, float8_dynamic_activation_float8_weight
 
