@@ -18,6 +18,9 @@ causal feature cache carried across chunks), peak GPU memory, KV-cache size. A w
 work is excluded; every timing is bracketed by ``torch.cuda.synchronize()``. With ``--local-window`` (latent
 frames) and ``--sink``, a second streaming run generates ``--stream-multiple`` x 21 latent frames with the
 rolling cache (LongLive-style window + frame sink) and reports steady-state per-chunk latency and memory.
+
+``measure(parse_args([...]))`` runs the same measurement from Python (``benchmarks/gpu_suite.py`` does);
+``wan_transformer`` builds a random-weight Wan transformer cast as ``from_pretrained`` casts a checkpoint.
 """
 
 from __future__ import annotations
@@ -36,14 +39,42 @@ WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 
 
+class NoCudaError(RuntimeError):
+    """A real-size run was asked for on a machine without a CUDA device."""
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def wan_transformer(config: dict, device: torch.device | str, dtype: torch.dtype):
+    """A ``WanTransformer3DModel(**config)`` with random weights, built on ``device`` in eval mode.
+
+    Cast to ``dtype`` as ``from_pretrained(torch_dtype=dtype)`` casts a real checkpoint: the model's
+    ``_keep_in_fp32_modules`` (rope, time embedder, modulation tables, norms) stay float32.
+    """
+    from diffusers import WanTransformer3DModel
+
+    with torch.device(device):
+        transformer = WanTransformer3DModel(**config).to(dtype).eval()
+    keep = set(transformer._keep_in_fp32_modules or [])
+    for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]:
+        if keep & set(name.split(".")):
+            tensor.data = tensor.data.float()
+    return transformer
+
+
 def build(args):
-    """The causal Wan generator (real-size or tiny) with random weights, and random text conditioning."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    """The causal Wan generator (real-size or tiny) with random weights, and random text conditioning.
+
+    Args:
+        args: the namespace of :func:`parse_args` (after :func:`measure` filled the size defaults).
+    Returns:
+        (generator, conditioning with text states [B, text_tokens, text_dim], device, attention backend name,
+        transformer parameter count).
+    """
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
     from genrl.models.causal import CausalConfig
     from genrl.models.families.base import set_attention_backend
@@ -57,14 +88,8 @@ def build(args):
     tcfg = dict(TINY["wan"]["transformer"]) if args.tiny else dict(WAN_1_3B)
     vcfg = dict(TINY["wan"]["vae"]) if args.tiny else {}
     torch.manual_seed(args.seed)
+    transformer = wan_transformer(tcfg, device, dtype)
     with torch.device(device):
-        transformer = WanTransformer3DModel(**tcfg).to(dtype).eval()
-        # as from_pretrained(dtype=bf16) does for a real checkpoint: rope, time embedder, modulation tables and
-        # norms stay float32 (the model's _keep_in_fp32_modules)
-        keep = set(transformer._keep_in_fp32_modules or [])
-        for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]:
-            if keep & set(name.split(".")):
-                tensor.data = tensor.data.float()
         vae = AutoencoderKLWan(**vcfg).to(vae_dtype).eval()
     pipeline = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
                            scheduler=FlowMatchEulerDiscreteScheduler(shift=args.shift))
@@ -147,7 +172,8 @@ def _gib(n: float) -> float:
     return round(n / 2**30, 3)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this script (also used by ``benchmarks/gpu_suite.py`` to build its settings)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (smoke run, float32)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here too")
@@ -170,14 +196,30 @@ def main() -> None:
     p.add_argument("--sink", type=int, default=0, help="sink latent frames of the streaming run")
     p.add_argument("--stream-multiple", type=int, default=4, help="streaming run length in units of --latent-frames")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (a list of command-line words; None = ``sys.argv[1:]``) with :func:`build_parser`."""
+    return build_parser().parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Build the causal Wan student (real size, or ``--tiny``) and time the streaming runs.
+
+    Args:
+        args: the namespace of :func:`parse_args` (``--out`` is ignored here; :func:`main` writes it).
+    Returns:
+        the report dict of the module docstring (seconds, frames/s, GiB; memory ``None`` off CUDA).
+    Raises:
+        NoCudaError: a real-size run (no ``--tiny``) without a CUDA device.
+    """
     args.height = args.height or (64 if args.tiny else 480)
     args.width = args.width or (64 if args.tiny else 832)
     args.text_tokens = args.text_tokens or (16 if args.tiny else 512)
     if not args.tiny and not torch.cuda.is_available():
-        print("causal_wan_stream: no CUDA device found. The real-size benchmark needs a GPU (bf16, ~20 GiB); "
-              "run with --tiny for a CPU smoke run.", file=sys.stderr)
-        sys.exit(2)
+        raise NoCudaError("causal_wan_stream: no CUDA device found. The real-size benchmark needs a GPU (bf16, "
+                           "~20 GiB); run with --tiny for a CPU smoke run.")
 
     import diffusers
 
@@ -280,6 +322,17 @@ def main() -> None:
             "finite": bool(torch.isfinite(lrun["state"].latents).all()),
         }
 
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The command: :func:`measure`, then the JSON report on stdout (and in ``--out`` when given)."""
+    args = parse_args(argv)
+    try:
+        report = measure(args)
+    except NoCudaError as err:
+        print(err, file=sys.stderr)
+        sys.exit(2)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:

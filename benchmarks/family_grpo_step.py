@@ -14,8 +14,11 @@ What it measures (one JSON line on stdout, also appended to --out when given):
   (the target is an overhead of at most 5%);
 - ``grpo_step_s`` and ``peak_gib``: one GRPO training step (recomputed log-prob with gradients on every trained
   step of one sample, clipped loss, backward, AdamW on the LoRA weights), with gradient checkpointing, and the
-  CUDA peak memory of the whole script;
+  CUDA peak memory of the whole measurement (``rollout_peak_gib``: up to and with the decode;
+  ``grpo_peak_gib``: the GRPO steps alone, with the weights and trajectory still held);
 - ``decode_s``: VAE decode of the rollout.
+
+``measure(parse_args([...]))`` runs the same measurement from Python (``benchmarks/gpu_suite.py`` does).
 
 The text encoders are real architectures cut to one layer (their output widths are the real ones), so the
 prompt path runs as in a real run while costing little: encoding is cached and not part of the timings.
@@ -74,7 +77,13 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _peak_gib(device: str) -> float | None:
+    """CUDA peak allocated memory since the last reset, GiB (None off CUDA)."""
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of this script (also used by ``benchmarks/gpu_suite.py`` to build its settings)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=sorted(REAL), default="wan")
     p.add_argument("--tiny", action="store_true", help="tiny test components (CPU smoke run)")
@@ -89,8 +98,25 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None)
     p.add_argument("--out", default=None, help="append the JSON line to this file")
-    args = p.parse_args(argv)
+    return p
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` (a list of command-line words; None = ``sys.argv[1:]``) with :func:`build_parser`."""
+    return build_parser().parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Build the family at real (or ``--tiny``) size with LoRA and time raw forward, rollout, decode, GRPO step.
+
+    Args:
+        args: the namespace of :func:`parse_args` (``--out`` is ignored here; :func:`main` writes it).
+    Returns:
+        the result dict (times in seconds, memory in GiB, ``None`` off CUDA); see the module docstring. The
+        CUDA peak counters are reset at the start, so ``peak_gib`` is the peak of this call alone;
+        ``rollout_peak_gib`` covers build + raw forwards + rollout + decode, ``grpo_peak_gib`` the GRPO steps
+        alone (weights, trajectory and optimizer state included, as they stay allocated).
+    """
     from genrl.flow.policy import clipped_policy_loss
     from genrl.models.families import GeneratorSpec, build_generator
     from genrl.models.lora import LoraSpec
@@ -99,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if device == "cuda" else "float32"
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     comps, size = (TINY[args.family], TINY_SIZE[args.family]) if args.tiny else (REAL[args.family], SIZES[args.family])
     size = {k: v for k, v in size.items() if k in ("height", "width", "num_frames")}
     for key, value in (("height", args.height), ("width", args.width), ("num_frames", args.frames)):
@@ -144,6 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
     _sync()
     decode_s = time.perf_counter() - t
 
+    rollout_peak = _peak_gib(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
     gen.train()
     opt = torch.optim.AdamW([q for q in gen.transformer.parameters() if q.requires_grad], lr=1e-4)
     sub = traj.select([0])
@@ -169,9 +201,17 @@ def main(argv: list[str] | None = None) -> dict:
         "sampler_overhead": round(rollout_s / (args.steps * raw) - 1, 4),
         "decode_s": round(decode_s, 3), "trained_steps": len(traj.sde_steps),
         "grpo_step_s": round(times[-1], 3), "grad_ckpt": not args.no_grad_ckpt, "lora_rank": args.lora_rank,
-        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
+        "peak_gib": None if device != "cuda" else max(rollout_peak, _peak_gib(device)),
+        "rollout_peak_gib": rollout_peak, "grpo_peak_gib": _peak_gib(device),
         "torch": torch.__version__,
     }
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The command: :func:`measure`, then one JSON line on stdout (appended to ``--out`` when given)."""
+    args = parse_args(argv)
+    result = measure(args)
     line = json.dumps(result)
     print(line)
     if args.out:

@@ -1,0 +1,875 @@
+"""One prepared GPU suite: every real-size measurement genrl needs, in one call on one H200 (issue 19).
+
+    python benchmarks/gpu_suite.py --out benchmarks/gpu_suite.json --results-md /tmp/t.md   # one H200, < 9 min
+    python benchmarks/gpu_suite.py --tiny --out /tmp/suite.json --results-md /tmp/suite.md  # CPU smoke run
+
+Random weights, real architectures (diffusers' published configs), bf16 on CUDA; nothing is downloaded.
+Sections, in order (anchors: docs/models.md, "Reference throughput figures"):
+
+1. ``wan_forward``: Wan2.1-1.3B ``WanTransformer3DModel`` at 480x832x81 (latents [1, 16, 21, 60, 104],
+   32,760 tokens; text states [1, 512, 4096]): raw forward (ms, median of 5 after a warm-up) and forward +
+   backward with gradient checkpointing (ms, median of 3; all weights trained; CUDA peak GiB). Anchors 613 ms,
+   2,653 ms and 12.3 GiB.
+2. ``wan_grpo``: ``family_grpo_step.measure`` for Wan2.1-1.3B (480x832x81, LoRA r32, CFG 5, 20 steps, 2 trained
+   SDE steps): raw guided forward, rollout, sampler overhead (rollout / (steps x raw forward) - 1, target
+   <= 5%), decode, GRPO step and peaks (target: under 40 GiB).
+3. ``sd3_grpo``: the same for SD3.5-M at 512 px, batch 8, CFG 4.5.
+4. ``causal_stream``: ``causal_wan_stream.measure`` for the causal Wan2.1-1.3B student (7 chunks of 3 latent
+   frames, 4 + 1 passes each): frames/s without decoding, with one decode at the end, with a streamed
+   per-chunk decode (target >= 17 frames/s end to end), and a 4x longer stream with a 12-frame window + 3 sink
+   frames.
+5. ``fp8_compile``: raw matmul TFLOP/s, bf16 (8192^3) and fp8 e4m3 ``torch._scaled_mm`` (anchors 769 and
+   1,387 TFLOP/s); then the section-1 forward compiled with ``torch.compile`` (regional: the repeated
+   transformer blocks) in bf16 and with fp8 weights + activations (rowwise scales): torchao's
+   ``Float8DynamicActivationFloat8WeightConfig`` when torchao is installed (the ``fp8`` extra), else
+   (or when it fails) a plain ``torch._scaled_mm`` linear (``Fp8Linear``).
+
+Robustness: each section runs in try/except and records ``"ok"``, ``"error: ..."`` (with a short traceback) or
+``"skipped: ..."``; a section starts only if the global budget (``--budget-s``, default 520 s from the start of
+the process) leaves its estimated need, else it is recorded as ``"skipped: budget ..."``, and it is stopped at
+its own time limit or the end of the budget (SIGALRM); the JSON (``--out``) is rewritten before and after every
+section (and after each part of section 5), so a killed run still leaves what it measured. Progress lines go to
+stdout, flushed. ``--results-md PATH`` writes the markdown table for benchmarks/RESULTS.md (it is printed too).
+
+``--tiny`` runs every section end to end on the CPU with the tiny test components (``genrl.testing.families``;
+float32): the real-size timings and targets do not apply, CUDA memory is ``None``, torchao's fp8 records
+``"skipped: needs CUDA"``, the fp8 matmul and ``Fp8Linear`` run on the CPU where this torch has CPU
+``_scaled_mm``, and ``torch.compile`` uses the ``eager`` backend (dynamo capture without inductor's C++ build).
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_START = time.monotonic()  # the budget counts from the start of the process (imports included)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import copy  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import causal_wan_stream  # noqa: E402
+import family_grpo_step  # noqa: E402
+
+#: one-H200 reference figures (docs/models.md, "Reference throughput figures")
+ANCHORS = {
+    "wan_forward_ms": 613.0,
+    "wan_fwd_bwd_ckpt_ms": 2653.0,
+    "wan_fwd_bwd_ckpt_peak_gib": 12.3,
+    "bf16_tflops": 769.0,
+    "fp8_tflops": 1387.0,
+}
+#: targets of issue 19
+TARGETS = {
+    "sampler_overhead_max": 0.05,  # rollout / (steps x raw forward) - 1
+    "wan_grpo_peak_gib_max": 40.0,  # LoRA GRPO step at 480x832x81
+    "stream_e2e_fps_min": 17.0,  # causal Wan2.1-1.3B, pixel frames per second, end to end
+}
+#: Wan2.1 480x832x81: latents [16, 21, 60, 104]; text states of 512 tokens
+WAN_LATENTS = (16, 21, 60, 104)
+WAN_TEXT_TOKENS = 512
+TINY_WAN_LATENTS = (16, 3, 8, 8)
+TINY_WAN_TEXT_TOKENS = 16
+E4M3_MAX = 448.0  # largest finite float8 e4m3fn value
+
+
+class SectionTimeout(Exception):
+    """A section ran past its time limit or the end of the budget."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM / SIGINT: the running section is recorded as interrupted and the JSON written before exit."""
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, warmup: int = 1, reps: int = 3) -> list[float]:
+    """Run ``fn`` ``warmup`` times untimed, then ``reps`` times, each bracketed by ``torch.cuda.synchronize``.
+
+    Returns:
+        the ``reps`` wall times in milliseconds.
+    """
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def _median(times: list[float]) -> float:
+    return round(statistics.median(times), 2)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def environment(device: torch.device) -> dict:
+    """Versions, device and date of this run (recorded in the JSON and the markdown header)."""
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "diffusers": _version("diffusers"),
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "torchao": _version("torchao"),
+        "device": str(device),
+        "gpu": None,
+        "gpu_memory_gib": None,
+        "git_commit": None,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   compute_capability=f"{props.major}.{props.minor}")
+    with contextlib.suppress(Exception):
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                           timeout=10).stdout.strip() or None
+    return env
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+
+
+@dataclass
+class SuiteContext:
+    """What every section gets: the mode, device and dtype, the budget, and a way to save progress.
+
+    Attributes:
+        tiny: CPU smoke run on tiny components.
+        device, dtype: ``cuda`` / bfloat16, or ``cpu`` / float32 under ``tiny``.
+        deadline: ``time.monotonic()`` value at which the budget ends.
+        compile_backend: ``torch.compile`` backend of section 5.
+        fp8_native: ``"fallback"`` (Fp8Linear only when torchao's fp8 did not run), ``"always"`` or ``"never"``.
+        save: rewrites the JSON (sections call it after each finished part).
+        log: prints one progress line (flushed).
+    """
+
+    tiny: bool
+    device: torch.device
+    dtype: torch.dtype
+    deadline: float
+    compile_backend: str
+    fp8_native: str = "fallback"
+    save: Callable[[], None] = lambda: None
+    log: Callable[[str], None] = print
+
+    def remaining(self) -> float:
+        """Seconds left in the budget."""
+        return self.deadline - time.monotonic()
+
+
+@dataclass(frozen=True)
+class Section:
+    """One measurement of the suite.
+
+    Attributes:
+        name: JSON key; title: the markdown row's label.
+        run: ``run(ctx, out)`` fills the dict ``out`` as it measures (partial results survive an error).
+        need_s: estimated seconds on one H200; the section starts only with this much budget left.
+        limit_s: hard time limit of the section (it also stops at the end of the budget).
+        tiny_need_s: the same estimate under ``--tiny``.
+    """
+
+    name: str
+    title: str
+    run: Callable[[SuiteContext, dict], None]
+    need_s: float
+    limit_s: float
+    tiny_need_s: float = 1.0
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise :class:`SectionTimeout` in the main thread after ``seconds`` (no-op off the main thread)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def _expired(signum, frame):
+        raise SectionTimeout(f"time limit of {seconds:.0f} s reached")
+
+    previous = signal.signal(signal.SIGALRM, _expired)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def _interrupts_recorded():
+    """Turn SIGTERM (a wrapper's timeout) and SIGINT into :class:`Interrupted` so the JSON is written first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _stop(signum, frame):
+        raise Interrupted(f"interrupted by signal {signum}")
+
+    previous = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _error_record(err: BaseException) -> tuple[str, str]:
+    """(status, short traceback) of an exception; CUDA OOM and timeouts keep their message."""
+    message = " ".join(str(err).split())[:400]
+    status = f"error: {type(err).__name__}: {message}" if message else f"error: {type(err).__name__}"
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=-6))
+    return status, tb[-3000:]
+
+
+def write_json(path: Path, report: dict) -> None:
+    """Write ``report`` to ``path`` atomically (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def run_sections(sections: list[Section], ctx: SuiteContext, report: dict, selected: set[str] | None = None) -> None:
+    """Run ``sections`` in order into ``report["sections"]``, each guarded, timed and budgeted.
+
+    Every section's record is ``{"title", "status", "wall_s", "result"}`` (``"traceback"`` on errors); status is
+    ``"ok"``, ``"error: <type>: <message>"`` or ``"skipped: <reason>"``. ``ctx.save`` runs before and after each
+    section. :class:`Interrupted` is recorded on the running section, saved, and re-raised.
+    """
+    records = report.setdefault("sections", {})
+    for sec in sections:
+        records[sec.name] = {"title": sec.title, "status": "pending", "wall_s": None, "result": {}}
+    ctx.save()
+    for i, sec in enumerate(sections, 1):
+        rec = records[sec.name]
+        need = sec.tiny_need_s if ctx.tiny else sec.need_s
+        left = ctx.remaining()
+        if selected is not None and sec.name not in selected:
+            rec["status"] = "skipped: not selected (--sections)"
+            continue
+        if left < need:
+            rec["status"] = f"skipped: budget ({max(left, 0):.0f} s left, the section needs about {need:.0f} s)"
+            ctx.log(f"section {i}/{len(sections)} {sec.name}: {rec['status']}")
+            ctx.save()
+            continue
+        ctx.log(f"section {i}/{len(sections)} {sec.name}: start ({left:.0f} s of budget left)")
+        rec["status"] = "running"
+        ctx.save()
+        t0 = time.monotonic()
+        out = rec["result"]
+        try:
+            with _time_limit(min(sec.limit_s, ctx.remaining())):
+                sec.run(ctx, out)
+            rec["status"] = "ok"
+        except Interrupted as err:
+            rec["status"] = f"error: {err}"
+            rec["wall_s"] = round(time.monotonic() - t0, 1)
+            ctx.save()
+            raise
+        except Exception as err:  # noqa: BLE001 - every failure is recorded and the suite goes on
+            rec["status"], rec["traceback"] = _error_record(err)
+        finally:
+            _free(ctx.device)
+        rec["wall_s"] = round(time.monotonic() - t0, 1)
+        ctx.log(f"section {i}/{len(sections)} {sec.name}: {rec['status'][:200]} ({rec['wall_s']} s)")
+        ctx.save()
+
+
+# ---------------------------------------------------------------------------------------------------- sections
+
+
+def _wan_inputs(ctx: SuiteContext, text_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random latents [1, 16, F, h, w], timestep [1] (500) and text states [1, L, text_dim] for the Wan forward."""
+    latents = TINY_WAN_LATENTS if ctx.tiny else WAN_LATENTS
+    tokens = TINY_WAN_TEXT_TOKENS if ctx.tiny else WAN_TEXT_TOKENS
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    x = torch.randn(1, *latents, device=ctx.device, dtype=ctx.dtype, generator=g)
+    text = torch.randn(1, tokens, text_dim, device=ctx.device, dtype=ctx.dtype, generator=g)
+    t = torch.full((1,), 500.0, device=ctx.device)
+    return x, t, text
+
+
+def _wan_config(ctx: SuiteContext, fp8_dims: bool = False) -> dict:
+    """Wan2.1-1.3B's transformer config, or the tiny one (with ``fp8_dims``: widths that are multiples of 16, so
+    that the tiny run converts its linears to fp8 as the real one does)."""
+    from genrl.testing.families import TINY
+
+    if not ctx.tiny:
+        return dict(family_grpo_step.REAL["wan"]["transformer"])
+    cfg = dict(TINY["wan"]["transformer"])
+    if fp8_dims:
+        cfg.update(attention_head_dim=16, ffn_dim=64)
+    return cfg
+
+
+def _wan_describe(ctx: SuiteContext, transformer, x: torch.Tensor, text: torch.Tensor) -> dict:
+    p = transformer.config.patch_size
+    tokens = (x.shape[2] // p[0]) * (x.shape[3] // p[1]) * (x.shape[4] // p[2])
+    return {"params_b": round(sum(q.numel() for q in transformer.parameters()) / 1e9, 4),
+            "latents": list(x.shape), "tokens": tokens, "text_tokens": text.shape[1], "dtype": str(ctx.dtype)}
+
+
+def section_wan_forward(ctx: SuiteContext, out: dict) -> None:
+    """Section 1: Wan2.1-1.3B raw forward (ms) and forward + backward with gradient checkpointing (ms, GiB)."""
+    cfg = _wan_config(ctx)
+    torch.manual_seed(0)
+    transformer = causal_wan_stream.wan_transformer(cfg, ctx.device, ctx.dtype)
+    x, t, text = _wan_inputs(ctx, cfg["text_dim"])
+    out.update(_wan_describe(ctx, transformer, x, text))
+
+    def forward():
+        return transformer(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+    with torch.no_grad():
+        times = timed_ms(forward, ctx.device, warmup=1, reps=5)
+    out.update(forward_ms=_median(times), forward_ms_all=[round(v, 2) for v in times])
+    ctx.log(f"  wan forward {out['forward_ms']} ms (anchor {ANCHORS['wan_forward_ms']:.0f} ms)")
+
+    transformer.enable_gradient_checkpointing()
+    transformer.train()
+    params = [q for q in transformer.parameters() if q.requires_grad]
+
+    def forward_backward():
+        forward().float().square().mean().backward()
+        for q in params:
+            q.grad = None
+
+    _free(ctx.device)
+    _reset_peak(ctx.device)
+    times = timed_ms(forward_backward, ctx.device, warmup=1, reps=3)
+    out.update(fwd_bwd_ckpt_ms=_median(times), fwd_bwd_ckpt_ms_all=[round(v, 2) for v in times],
+               fwd_bwd_ckpt_peak_gib=_peak_gib(ctx.device), trained_params="all")
+    ctx.log(f"  wan fwd+bwd (grad ckpt) {out['fwd_bwd_ckpt_ms']} ms, peak {out['fwd_bwd_ckpt_peak_gib']} GiB")
+
+
+def _family_args(ctx: SuiteContext, words: list[str]):
+    return family_grpo_step.parse_args(words + (["--tiny"] if ctx.tiny else []))
+
+
+def section_wan_grpo(ctx: SuiteContext, out: dict) -> None:
+    """Section 2: ``family_grpo_step`` for Wan2.1-1.3B (480x832x81, LoRA r32, CFG 5)."""
+    out.update(family_grpo_step.measure(_family_args(ctx, ["--family", "wan"])))
+    ctx.log(f"  wan rollout {out['rollout_s']} s, overhead {out['sampler_overhead']:+.2%}, "
+            f"GRPO step {out['grpo_step_s']} s, peak {out['peak_gib']} GiB")
+
+
+def section_sd3_grpo(ctx: SuiteContext, out: dict) -> None:
+    """Section 3: ``family_grpo_step`` for SD3.5-M (512 px, batch 8, CFG 4.5)."""
+    out.update(family_grpo_step.measure(_family_args(ctx, ["--family", "sd3", "--batch", "8", "--cfg-scale", "4.5"])))
+    ctx.log(f"  sd3 rollout {out['rollout_s']} s, overhead {out['sampler_overhead']:+.2%}, "
+            f"GRPO step {out['grpo_step_s']} s, peak {out['peak_gib']} GiB")
+
+
+def section_causal_stream(ctx: SuiteContext, out: dict) -> None:
+    """Section 4: ``causal_wan_stream`` (decode at the end and per chunk; 4x stream with window 12 + sink 3)."""
+    words = ["--decode-per-chunk", "--local-window", "12", "--sink", "3"]
+    if ctx.tiny:
+        words = ["--tiny", "--decode-per-chunk", "--height", "32", "--width", "32", "--latent-frames", "6",
+                 "--local-window", "6", "--sink", "3", "--stream-multiple", "2"]
+    out.update(causal_wan_stream.measure(causal_wan_stream.parse_args(words)))
+    ctx.log(f"  causal stream: denoise {out['denoise_fps']} fps, decode at end {out['e2e_fps_decode_at_end']} fps, "
+            f"streamed decode {out.get('stream_decode', {}).get('e2e_fps')} fps")
+
+
+def matmul_tflops(device: torch.device, n: int, kind: str, reps: int, fast_accum: bool = True) -> float:
+    """TFLOP/s of an n x n x n matrix product (2 n^3 flops), median of ``reps`` after 3 warm-ups.
+
+    ``kind`` ``"bf16"``: ``a @ b`` in bfloat16. ``"fp8"``: ``torch._scaled_mm`` on float8 e4m3 operands
+    (``b`` column-major, unit per-tensor scales, bf16 output, ``use_fast_accum=fast_accum``).
+    """
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g)
+    b = torch.randn(n, n, device=device, generator=g)
+    if kind == "bf16":
+        a, b = a.bfloat16(), b.bfloat16()
+
+        def op():
+            return a @ b
+    elif kind == "fp8":
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants its second operand
+        one = torch.ones((), device=device)
+
+        def op():
+            return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast_accum)
+    else:
+        raise ValueError(f"kind must be 'bf16' or 'fp8', got {kind!r}")
+    ms = statistics.median(timed_ms(op, device, warmup=3, reps=reps))
+    return round(2 * n**3 / (ms * 1e-3) / 1e12, 3 if n < 4096 else 1)
+
+
+class Fp8Linear(torch.nn.Module):
+    """``y = x W^T + b`` with W and x in float8 e4m3 and rowwise scales, through ``torch._scaled_mm``.
+
+    The weight [out, in] is quantised once with one scale per output row (amax / 448); the input [..., in] is
+    quantised on every call with one scale per token. The product accumulates in float32 and is returned in
+    the original weight's dtype [..., out]. Under ``torch.compile`` the quantisation fuses around the matmul.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX  # [out, 1]
+        self.register_buffer("weight_fp8", (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, out]
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.out_dtype = linear.weight.dtype
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in the weight's original dtype."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX  # [M, 1]
+        xq = (x2 / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.weight_fp8.t(), scale_a=scale, scale_b=self.weight_scale,
+                             out_dtype=self.out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+
+def fp8_eligible(module: torch.nn.Module, name: str = "") -> bool:
+    """A linear layer fp8 can take: not float32 (the model's kept-in-fp32 modules stay as they are) and both
+    dimensions multiples of 16 (a ``_scaled_mm`` requirement)."""
+    return (isinstance(module, torch.nn.Linear) and module.weight.dtype != torch.float32
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def to_fp8_native(model: torch.nn.Module, force: bool = False) -> int:
+    """Replace every :func:`fp8_eligible` linear of ``model`` by an :class:`Fp8Linear` in place.
+
+    ``force`` also converts float32 linears (the tiny CPU run, whose model is float32). Returns the count.
+    """
+    count = 0
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and (fp8_eligible(child) or (
+                    force and child.in_features % 16 == 0 and child.out_features % 16 == 0)):
+                setattr(parent, child_name, Fp8Linear(child))
+                count += 1
+    return count
+
+
+def to_fp8_torchao(model: torch.nn.Module) -> int:
+    """Quantise ``model``'s :func:`fp8_eligible` linears with torchao's dynamic fp8 (rowwise), in place."""
+    from torchao.quantization import quantize_
+
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+        # set_inductor_config=False: compile with the same inductor settings as the bf16 variant (torchao's
+        # recommended ones turn on coordinate-descent tuning, which lengthens the compile)
+        config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    except ImportError:  # older torchao: the function form
+        from torchao.quantization import PerRow, float8_dynamic_activation_float8_weight
+
+        config = float8_dynamic_activation_float8_weight(granularity=PerRow())
+    count = sum(1 for name, m in model.named_modules() if fp8_eligible(m, name))
+    quantize_(model, config, filter_fn=fp8_eligible)
+    return count
+
+
+def _compile(model: torch.nn.Module, backend: str) -> str:
+    """Compile ``model`` in place: its repeated blocks (diffusers' regional compilation) when it has them."""
+    if getattr(model, "_repeated_blocks", None) and hasattr(model, "compile_repeated_blocks"):
+        model.compile_repeated_blocks(backend=backend)
+        return "regional (repeated blocks)"
+    model.compile(backend=backend)
+    return "whole model"
+
+
+def _graph_breaks() -> int | None:
+    with contextlib.suppress(Exception):
+        from torch._dynamo.utils import counters
+
+        return int(sum(counters["graph_break"].values()))
+    return None
+
+
+def section_fp8_compile(ctx: SuiteContext, out: dict) -> None:
+    """Section 5: matmul TFLOP/s (bf16, fp8), then the Wan forward compiled in bf16 and in fp8."""
+    cuda = ctx.device.type == "cuda"
+    n = 256 if ctx.tiny else 8192
+    reps = 5 if ctx.tiny else 20
+    mm = out.setdefault("matmul", {"n": n, "device": str(ctx.device)})
+    mm["bf16_tflops"] = matmul_tflops(ctx.device, n, "bf16", reps)
+    for key, fast in (("fp8_tflops", True), ("fp8_tflops_no_fast_accum", False)):
+        try:
+            mm[key] = matmul_tflops(ctx.device, n, "fp8", reps, fast_accum=fast)
+        except Exception as err:  # noqa: BLE001 - e.g. no CPU _scaled_mm in this torch, or a pre-Hopper GPU
+            mm[key] = None
+            mm[key + "_status"] = _error_record(err)[0]
+    ctx.log(f"  matmul {n}^3: bf16 {mm['bf16_tflops']} TFLOP/s, fp8 {mm['fp8_tflops']} TFLOP/s "
+            f"(anchors {ANCHORS['bf16_tflops']:.0f} / {ANCHORS['fp8_tflops']:.0f})")
+    ctx.save()
+
+    import torch._dynamo
+
+    cfg = _wan_config(ctx, fp8_dims=True)
+    torch.manual_seed(0)
+    base = causal_wan_stream.wan_transformer(cfg, ctx.device, ctx.dtype)
+    x, t, text = _wan_inputs(ctx, cfg["text_dim"])
+    out["model"] = _wan_describe(ctx, base, x, text)
+    out["compile_backend"] = ctx.compile_backend
+
+    def forward(model):
+        return model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+    with torch.no_grad():
+        ref = forward(base).float()
+        eager = timed_ms(lambda: forward(base), ctx.device, warmup=1, reps=3)
+    out["eager"] = {"status": "ok", "forward_ms": _median(eager)}
+    ctx.save()
+    part_need = 5.0 if ctx.tiny else 90.0  # one compile + timing on the H200 (estimate)
+
+    def variant(key: str, convert: Callable[[torch.nn.Module], int] | None) -> dict:
+        rec = out.setdefault(key, {})
+        if ctx.remaining() < part_need:
+            rec["status"] = f"skipped: budget ({max(ctx.remaining(), 0):.0f} s left, needs about {part_need:.0f} s)"
+            return rec
+        ctx.log(f"  {key}: converting and compiling ({ctx.remaining():.0f} s of budget left)")
+        torch._dynamo.reset()
+        breaks0 = _graph_breaks()
+        model = copy.deepcopy(base)
+        try:
+            if convert is not None:
+                rec["fp8_linears"] = convert(model)
+                if rec["fp8_linears"] == 0:
+                    raise RuntimeError("no linear layer was converted to fp8")
+            rec["compiled"] = _compile(model, ctx.compile_backend)
+            with torch.no_grad():
+                _sync(ctx.device)
+                t0 = time.perf_counter()
+                y = forward(model)
+                _sync(ctx.device)
+                rec["first_call_s"] = round(time.perf_counter() - t0, 2)  # compile + one forward
+                times = timed_ms(lambda: forward(model), ctx.device, warmup=1, reps=3)
+            rec["forward_ms"] = _median(times)
+            rec["forward_ms_all"] = [round(v, 2) for v in times]
+            rec["speedup_vs_eager"] = round(out["eager"]["forward_ms"] / rec["forward_ms"], 3)
+            y = y.float()
+            rec["rel_err_vs_eager"] = round(float((y - ref).norm() / ref.norm().clamp(min=1e-30)), 5)
+            rec["finite"] = bool(torch.isfinite(y).all())
+            if breaks0 is not None:
+                rec["graph_breaks"] = _graph_breaks() - breaks0
+            rec["status"] = "ok"
+        except SectionTimeout:
+            raise
+        except Exception as err:  # noqa: BLE001 - one failed variant leaves the others
+            rec["status"], rec["traceback"] = _error_record(err)
+        finally:
+            model = None
+            _free(ctx.device)
+            ctx.save()
+        ctx.log(f"  {key}: {rec['status'][:160]} {rec.get('forward_ms', '')} ms")
+        return rec
+
+    try:
+        bf16 = variant("compiled", None)
+        if not cuda:
+            out["fp8_torchao"] = {"status": "skipped: needs CUDA (torchao float8 needs compute capability >= 8.9)"}
+        elif _version("torchao") == "not installed":
+            out["fp8_torchao"] = {"status": "skipped: torchao not installed"}
+        else:
+            out["fp8_torchao"] = {"torchao": _version("torchao")}
+            variant("fp8_torchao", to_fp8_torchao)
+        if ctx.fp8_native == "always" or (ctx.fp8_native == "fallback" and out["fp8_torchao"]["status"] != "ok"):
+            variant("fp8_native", lambda m: to_fp8_native(m, force=ctx.tiny))
+        else:
+            out["fp8_native"] = {"status": f"skipped: --fp8-native {ctx.fp8_native}"
+                                 + (" (torchao's fp8 measured)" if ctx.fp8_native == "fallback" else "")}
+        for key in ("fp8_torchao", "fp8_native"):
+            rec = out[key]
+            if rec.get("status") == "ok" and bf16.get("status") == "ok":
+                rec["speedup_vs_compiled"] = round(bf16["forward_ms"] / rec["forward_ms"], 3)
+    finally:
+        torch._dynamo.reset()
+
+
+SECTIONS = [
+    Section("wan_forward", "1. Wan2.1-1.3B transformer, 480x832x81, bf16", section_wan_forward,
+            need_s=40, limit_s=150),
+    Section("wan_grpo", "2. Wan2.1-1.3B rollout + LoRA r32 GRPO step, 480x832x81, CFG 5", section_wan_grpo,
+            need_s=90, limit_s=240),
+    Section("sd3_grpo", "3. SD3.5-M rollout + LoRA r32 GRPO step, 512 px, batch 8, CFG 4.5", section_sd3_grpo,
+            need_s=40, limit_s=150),
+    Section("causal_stream", "4. causal Wan2.1-1.3B streaming, 480x832x81, 4 steps/chunk", section_causal_stream,
+            need_s=60, limit_s=180),
+    Section("fp8_compile", "5. matmul TFLOP/s; Wan forward compiled, bf16 vs fp8", section_fp8_compile,
+            need_s=30, limit_s=400),
+]
+
+
+# ---------------------------------------------------------------------------------------------------- the table
+
+
+def _num(v, digits: int = 0, unit: str = "") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    text = f"{v:,.{digits}f}"
+    return f"{text} {unit}".strip()
+
+
+def _check(ok: bool | None) -> str:
+    return "" if ok is None else (" (met)" if ok else " (missed)")
+
+
+def _row_wan_forward(r: dict, tiny: bool) -> tuple[str, str]:
+    gib = r.get("fwd_bwd_ckpt_peak_gib")
+    measured = (f"forward {_num(r.get('forward_ms'), 1, 'ms')}; fwd+bwd (grad ckpt) "
+                f"{_num(r.get('fwd_bwd_ckpt_ms'), 1, 'ms')}, peak {_num(gib, 1, 'GiB')}")
+    anchor = (f"{_num(ANCHORS['wan_forward_ms'], 0, 'ms')}; {_num(ANCHORS['wan_fwd_bwd_ckpt_ms'], 0, 'ms')}, "
+              f"{ANCHORS['wan_fwd_bwd_ckpt_peak_gib']} GiB")
+    return measured, anchor
+
+
+def _row_family(r: dict, tiny: bool, peak_max: float | None) -> tuple[str, str]:
+    over = r.get("sampler_overhead")
+    cfg = r.get("cfg_scale", 1.0) or 1.0
+    rows = (2 if cfg != 1.0 else 1) * (r.get("batch") or 1)  # CFG: cond and uncond in one batch
+    raw_ms = None if r.get("raw_forward_s") is None else 1e3 * r["raw_forward_s"]
+    measured = (f"raw guided forward {_num(raw_ms, 0, 'ms')} (batch {rows}); rollout {r.get('steps', '?')} steps "
+                f"{_num(r.get('rollout_s'), 2, 's')} (overhead {'n/a' if over is None else f'{over:+.1%}'}); "
+                f"decode {_num(r.get('decode_s'), 2, 's')}; "
+                f"GRPO step ({r.get('trained_steps', '?')} trained steps) {_num(r.get('grpo_step_s'), 2, 's')}; "
+                f"peak {_num(r.get('peak_gib'), 1, 'GiB')} (GRPO {_num(r.get('grpo_peak_gib'), 1, 'GiB')})")
+    ok_over = None if (tiny or over is None) else over <= TARGETS["sampler_overhead_max"]
+    target = f"overhead <= {TARGETS['sampler_overhead_max']:.0%}{_check(ok_over)}"
+    if peak_max is not None:
+        peak = r.get("peak_gib")
+        ok_peak = None if (tiny or peak is None) else peak < peak_max
+        target += f"; peak < {peak_max:.0f} GiB{_check(ok_peak)}"
+    return measured, target
+
+
+def _row_causal(r: dict, tiny: bool) -> tuple[str, str]:
+    sd = r.get("stream_decode") or {}
+    st = r.get("streaming") or {}
+    mem = r.get("peak_memory_gib") or {}
+    measured = (f"denoise only {_num(r.get('denoise_fps'), 1)} frames/s; decode at end "
+                f"{_num(r.get('e2e_fps_decode_at_end'), 1)} frames/s; streamed decode {_num(sd.get('e2e_fps'), 1)} "
+                f"frames/s; first chunk {_num(r.get('first_chunk_latency_s'), 3, 's')}; peak "
+                f"{_num(mem.get('with_decode'), 1, 'GiB')}")
+    if st:
+        measured += (f"; {st.get('latent_frames')}-latent-frame stream (window {st.get('local_window')} + sink "
+                     f"{st.get('sink_frames')}) {_num(st.get('e2e_fps'), 1)} frames/s")
+    best = max([v for v in (r.get("e2e_fps_decode_at_end"), sd.get("e2e_fps")) if v is not None], default=None)
+    ok = None if (tiny or best is None) else best >= TARGETS["stream_e2e_fps_min"]
+    return measured, f">= {TARGETS['stream_e2e_fps_min']:.0f} frames/s end to end{_check(ok)} (about 22 estimated)"
+
+
+def _tflops(v) -> str:
+    return _num(v, 1 if isinstance(v, float) and v >= 10 else 3)
+
+
+def _row_fp8(r: dict, tiny: bool) -> tuple[str, str]:
+    mm = r.get("matmul") or {}
+    parts = [f"matmul {mm.get('n', '?')}^3 bf16 {_tflops(mm.get('bf16_tflops'))} / fp8 "
+             f"{_tflops(mm.get('fp8_tflops'))} TFLOP/s"]
+    dtype = "float32" if tiny else "bf16"
+    eager = (r.get("eager") or {}).get("forward_ms")
+    parts.append(f"Wan forward eager {dtype} {_num(eager, 1, 'ms')}")
+    for key, label in (("compiled", f"compiled {dtype}"), ("fp8_torchao", "compiled fp8 (torchao)"),
+                       ("fp8_native", "compiled fp8 (_scaled_mm)")):
+        rec = r.get(key) or {}
+        status = rec.get("status", "n/a")
+        if status == "ok":
+            extra = f", x{rec['speedup_vs_compiled']:.2f} vs compiled {dtype}" if "speedup_vs_compiled" in rec else ""
+            parts.append(f"{label} {_num(rec.get('forward_ms'), 1, 'ms')}{extra}, rel. err "
+                         f"{_num(rec.get('rel_err_vs_eager'), 4)}")
+        else:
+            parts.append(f"{label}: {status[:90]}")
+    anchor = f"{_num(ANCHORS['bf16_tflops'], 0)} / {_num(ANCHORS['fp8_tflops'], 0)} TFLOP/s"
+    return "; ".join(parts), anchor
+
+
+ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {
+    "wan_forward": _row_wan_forward,
+    "wan_grpo": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
+    "sd3_grpo": lambda r, tiny: _row_family(r, tiny, None),
+    "causal_stream": _row_causal,
+    "fp8_compile": _row_fp8,
+}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(report: dict) -> str:
+    """The markdown block for benchmarks/RESULTS.md: a header line (command, date, device, versions) and a table
+    with one row per section (measured values, anchor / target, status)."""
+    env = report.get("env", {})
+    tiny = report.get("tiny", False)
+    where = (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB), CUDA {env.get('cuda')}" if env.get("gpu")
+             else f"{env.get('device', 'cpu')}")
+    lines = [
+        f"`{report.get('command', 'python benchmarks/gpu_suite.py')}`, {env.get('date_utc', '?')}, {where}; torch "
+        f"{env.get('torch')}, diffusers {env.get('diffusers')}, torchao {env.get('torchao')}; "
+        f"{report.get('elapsed_s', '?')} s of a {report.get('budget_s', '?')} s budget"
+        + (" (--tiny: CPU smoke run on tiny models, float32; timings are not figures)" if tiny else "") + ".",
+        "",
+        "| section | measured | anchor / target | status |",
+        "|---|---|---|---|",
+    ]
+    for name, rec in report.get("sections", {}).items():
+        status = rec.get("status", "?")
+        result = rec.get("result") or {}
+        if result and name in ROWS:
+            try:
+                measured, anchor = ROWS[name](result, tiny)
+            except Exception as err:  # noqa: BLE001 - a partial result must not break the table
+                measured, anchor = f"(partial result: {type(err).__name__})", ""
+        else:
+            measured, anchor = "", ""
+        if name in ROWS and not anchor:
+            anchor = ROWS[name]({}, tiny)[1]
+        wall = f" ({rec['wall_s']} s)" if rec.get("wall_s") is not None else ""
+        lines.append(f"| {_cell(rec.get('title', name))} | {_cell(measured) or '-'} | {_cell(anchor) or '-'} | "
+                     f"{_cell(status[:160])}{wall} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------- command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The suite's command line."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON results (default benchmarks/gpu_suite.json; under --tiny a file in the temp folder)")
+    p.add_argument("--results-md", type=Path, default=None, help="also write the markdown table to this file")
+    p.add_argument("--budget-s", type=float, default=520.0,
+                   help="seconds from the start of the process; sections that would not fit are skipped")
+    p.add_argument("--tiny", action="store_true", help="tiny components on the CPU (smoke run, float32)")
+    p.add_argument("--sections", nargs="+", choices=[s.name for s in SECTIONS], default=None,
+                   help="run only these sections (the others are recorded as not selected)")
+    p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; eager on CPU)")
+    p.add_argument("--fp8-native", choices=["fallback", "always", "never"], default="fallback",
+                   help="run the plain _scaled_mm fp8 linear: only when torchao's fp8 did not run (default), "
+                        "always, or never")
+    return p
+
+
+def main(argv: list[str] | None = None, start: float | None = None) -> dict:
+    """Run the suite; returns the report (also written to ``--out``). ``start``: monotonic time the budget
+    counts from (default: now). Exits with status 2, writing nothing, without CUDA unless ``--tiny``."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(words)
+    start = time.monotonic() if start is None else start
+    if not args.tiny and not torch.cuda.is_available():
+        print("gpu_suite: no CUDA device found; the suite measures real sizes on a GPU. Run with --tiny for a CPU "
+              "smoke run.", file=sys.stderr)
+        raise SystemExit(2)
+    out = args.out or (Path(tempfile.gettempdir()) / "genrl_gpu_suite_tiny.json" if args.tiny
+                       else ROOT / "benchmarks" / "gpu_suite.json")
+    device = torch.device("cpu" if args.tiny else "cuda")
+    report: dict = {
+        "suite": "genrl gpu_suite (issue 19)",
+        "command": " ".join(["python", "benchmarks/gpu_suite.py", *words]),
+        "tiny": args.tiny,
+        "budget_s": args.budget_s,
+        "anchors": ANCHORS,
+        "targets": TARGETS,
+        "finished": False,
+        "elapsed_s": 0.0,
+    }
+
+    def log(message: str) -> None:
+        print(f"[gpu_suite {time.monotonic() - start:6.1f} s] {message}", flush=True)
+
+    def save() -> None:
+        report["elapsed_s"] = round(time.monotonic() - start, 1)
+        write_json(out, report)
+
+    report["env"] = environment(device)
+    log(f"device {report['env'].get('gpu') or device}, torch {torch.__version__}, diffusers "
+        f"{report['env']['diffusers']}, torchao {report['env']['torchao']}; writing {out}")
+    missing = [name for name in ("diffusers", "transformers", "peft") if report["env"][name] == "not installed"]
+    if missing:
+        log(f"missing packages {missing}: sections 1-4 and the model part of 5 will fail; carry them as wheels "
+            f"(docs/gpu_suite.md)")
+    ctx = SuiteContext(tiny=args.tiny, device=device, dtype=torch.float32 if args.tiny else torch.bfloat16,
+                       deadline=start + args.budget_s,
+                       compile_backend=args.compile_backend or ("eager" if device.type == "cpu" else "inductor"),
+                       fp8_native=args.fp8_native, save=save, log=log)
+    try:
+        with _interrupts_recorded():
+            run_sections(SECTIONS, ctx, report, set(args.sections) if args.sections else None)
+        report["finished"] = True
+    finally:
+        save()
+        table = markdown(report)
+        print(table, flush=True)
+        if args.results_md is not None:
+            args.results_md.parent.mkdir(parents=True, exist_ok=True)
+            args.results_md.write_text(table)
+        log(f"wrote {out}" + (f" and {args.results_md}" if args.results_md else ""))
+    return report
+
+
+if __name__ == "__main__":
+    _report = main(start=_T_START)
+    sys.exit(1 if any(r["status"].startswith("error") for r in _report["sections"].values()) else 0)
