@@ -23,6 +23,8 @@ Sections, in order (anchors: docs/models.md, "Reference throughput figures"):
    transformer blocks) in bf16 and with fp8 weights + activations (rowwise scales): torchao's
    ``Float8DynamicActivationFloat8WeightConfig`` when torchao is installed (the ``fp8`` extra), else
    (or when it fails) a plain ``torch._scaled_mm`` linear (``Fp8Linear``).
+6. ``noise``: one step's noise draw per backend (per-sample device generators, counter-based Philox) at the shapes
+   world's size and at Wan2.1's (16 x [16, 21, 60, 104]), ms (``sampler_overhead.noise_cost``).
 
 Robustness: each section runs in try/except and records ``"ok"``, ``"error: ..."`` (with a short traceback) or
 ``"skipped: ..."``; a section starts only if the global budget (``--budget-s``, default 520 s from the start of
@@ -70,6 +72,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
 
 import causal_wan_stream  # noqa: E402
 import family_grpo_step  # noqa: E402
+import sampler_overhead  # noqa: E402
 
 #: one-H200 reference figures (docs/models.md, "Reference throughput figures")
 ANCHORS = {
@@ -646,6 +649,15 @@ def section_fp8_compile(ctx: SuiteContext, out: dict) -> None:
         torch._dynamo.reset()
 
 
+def section_noise(ctx: SuiteContext, out: dict) -> None:
+    """Section 6: one step's noise draw (``genrl.noise.randn_per_sample``) per backend, at the shapes world's size and
+    at Wan2.1's (16 x [16, 21, 60, 104]), on the suite's device (``sampler_overhead.noise_cost``)."""
+    sizes = sampler_overhead.NOISE_SIZES[:1] if ctx.tiny else sampler_overhead.NOISE_SIZES
+    for row in sampler_overhead.noise_cost(str(ctx.device), repeats=3 if ctx.tiny else 5, sizes=sizes):
+        out[f"{row['noise_cost']}_{row['backend']}_ms"] = round(1e3 * row["s_per_step"], 3)
+    ctx.log("  noise per step: " + ", ".join(f"{k} {v}" for k, v in out.items()))
+
+
 SECTIONS = [
     Section("wan_forward", "1. Wan2.1-1.3B transformer, 480x832x81, bf16", section_wan_forward,
             need_s=40, limit_s=150),
@@ -657,6 +669,8 @@ SECTIONS = [
             need_s=60, limit_s=180),
     Section("fp8_compile", "5. matmul TFLOP/s; Wan forward compiled, bf16 vs fp8", section_fp8_compile,
             need_s=30, limit_s=400),
+    Section("noise", "6. noise draw per step: per-sample device generators vs Philox", section_noise,
+            need_s=10, limit_s=60, tiny_need_s=5.0),
 ]
 
 
@@ -745,12 +759,19 @@ def _row_fp8(r: dict, tiny: bool) -> tuple[str, str]:
     return "; ".join(parts), anchor
 
 
+def _row_noise(r: dict, tiny: bool) -> tuple[str, str]:
+    parts = [f"{size} {backend} {_num(r.get(f'{size}_{backend}_ms'), 2, 'ms')}"
+             for size in ("shapes", "wan2.1_480x832x81") for backend in ("generator", "philox")]
+    return "; ".join(parts), "small next to the 613 ms Wan forward"
+
+
 ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {
     "wan_forward": _row_wan_forward,
     "wan_grpo": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
     "sd3_grpo": lambda r, tiny: _row_family(r, tiny, None),
     "causal_stream": _row_causal,
     "fp8_compile": _row_fp8,
+    "noise": _row_noise,
 }
 
 

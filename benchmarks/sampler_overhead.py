@@ -3,6 +3,7 @@
     python benchmarks/sampler_overhead.py --model dit --out benchmarks/sampler_overhead.jsonl     # the shapes DiT
     python benchmarks/sampler_overhead.py --model wan --out benchmarks/sampler_overhead.jsonl     # tiny Wan2.1
     python benchmarks/sampler_overhead.py --model dit --noise-backend philox                      # Philox noise
+    python benchmarks/sampler_overhead.py --noise-cost --out benchmarks/sampler_overhead.jsonl    # noise per step
 
 The rollout is the quickstart's (configs/quickstart.yaml): 32 samples, 10 steps, the Flow-GRPO kernel on a 3-step
 SDE window, micro-batches of 32, every step recorded (latents, noises, log-probs). The raw figure is the same number
@@ -11,6 +12,9 @@ alone, text encoded once outside the timing. ``overhead = rollout / raw - 1``: e
 draws, the step kernel and its log-prob, recording, indexing). The part spent drawing noise and in the step kernel is
 measured by timing those functions inside the rollout. Median of ``--repeats`` after one warm-up; one JSON line per
 configuration on stdout (appended to ``--out``). Run it with nothing else on the machine.
+
+``--noise-cost`` instead times one step's noise draw (``randn_per_sample``) per backend at the shapes world's size
+(32 x 8 x 3 x 16 x 16) and at Wan2.1's (16 x 16 x 21 x 60 x 104 latents) on ``--device``.
 """
 
 from __future__ import annotations
@@ -106,6 +110,32 @@ def measure(gen, shape, prompts, config, repeats: int) -> dict:
             "calls_per_step": len(plan), "rollout_s_all": walls, "raw_forwards_s_all": raws}
 
 
+#: (name, per-sample latent shape, samples) of the noise-cost sizes
+NOISE_SIZES = (("shapes", (8, 3, 16, 16), 32), ("wan2.1_480x832x81", (16, 21, 60, 104), 16))
+
+
+def noise_cost(device: str, repeats: int, sizes=NOISE_SIZES) -> list[dict]:
+    """Seconds per step of ``randn_per_sample`` (median of ``repeats`` after a warm-up) per backend and size."""
+    from genrl.noise import randn_per_sample
+
+    rows = []
+    for name, shape, n in sizes:
+        for backend in ("generator", "philox"):
+            times = []
+            for r in range(repeats + 1):
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                randn_per_sample(shape, 0, range(n), step=1 + r, device=device, backend=backend)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            rows.append({"noise_cost": name, "samples": n, "latent_shape": list(shape), "backend": backend,
+                         "device": device, "threads": torch.get_num_threads(),
+                         "s_per_step": statistics.median(times[1:])})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="dit", help="'dit' (assets/shapes-dit) or a tiny family: wan, sd3, flux, sana")
@@ -117,9 +147,18 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=None)
+    p.add_argument("--noise-cost", action="store_true", help="time the noise draw per step instead")
+    p.add_argument("--device", default="cpu", help="device of --noise-cost")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.noise_cost:
+        for row in noise_cost(args.device, args.repeats):
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        return
 
     from genrl.rollout.sampler import RolloutConfig
 

@@ -19,7 +19,7 @@ if str(ROOT / "benchmarks") not in sys.path:
 
 import gpu_suite  # noqa: E402
 
-SECTION_NAMES = ["wan_forward", "wan_grpo", "sd3_grpo", "causal_stream", "fp8_compile"]
+SECTION_NAMES = ["wan_forward", "wan_grpo", "sd3_grpo", "causal_stream", "fp8_compile", "noise"]
 
 
 def _table_rows(md: str) -> list[str]:
@@ -121,6 +121,8 @@ def _fake_report(tiny: bool, overhead: float, wan_peak: float, fps: float) -> di
                             fp8_torchao={"status": "skipped: torchao not installed"},
                             fp8_native={"status": "ok", "forward_ms": 400.0, "speedup_vs_compiled": 1.35,
                                         "rel_err_vs_eager": 0.03}),
+        "noise": {"shapes_generator_ms": 0.41, "shapes_philox_ms": 0.9, "wan2.1_480x832x81_generator_ms": 3.2,
+                  "wan2.1_480x832x81_philox_ms": 25.0},
     }
     report = {"command": "python benchmarks/gpu_suite.py --out x.json", "tiny": tiny, "budget_s": 520,
               "elapsed_s": 401.2,
@@ -144,6 +146,7 @@ def test_markdown_one_row_per_section_with_anchors_and_targets():
     assert ">= 17 frames/s end to end (met)" in rows[3] and "decode at end 22.4 frames/s" in rows[3]
     assert "bf16 770.1 / fp8 1,380.4 TFLOP/s" in rows[4] and "769 / 1,387 TFLOP/s" in rows[4]
     assert "compiled fp8 (torchao): skipped: torchao not installed" in rows[4] and "x1.35" in rows[4]
+    assert "wan2.1_480x832x81 generator 3.20 ms; wan2.1_480x832x81 philox 25.00 ms" in rows[5]
 
     missed = _table_rows(gpu_suite.markdown(_fake_report(tiny=False, overhead=0.08, wan_peak=44.0, fps=12.0)))
     assert "overhead <= 5% (missed); peak < 40 GiB (missed)" in missed[1]
@@ -188,6 +191,13 @@ def test_main_without_cuda_refuses_a_real_size_run(tmp_path, monkeypatch, capsys
         gpu_suite.main(["--out", str(tmp_path / "s.json")])
     assert exit_info.value.code == 2 and "--tiny" in capsys.readouterr().err
     assert not (tmp_path / "s.json").exists()
+
+
+def test_noise_section_times_both_backends_on_the_cpu():
+    """Section 6 in --tiny: the shapes-size noise draw per backend, a positive time each, in the JSON's keys."""
+    out: dict = {}
+    gpu_suite.section_noise(_context(None, 60, []), out)
+    assert set(out) == {"shapes_generator_ms", "shapes_philox_ms"} and all(v > 0 for v in out.values())
 
 
 def _cpu_scaled_mm() -> bool:
