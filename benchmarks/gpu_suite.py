@@ -649,12 +649,35 @@ def section_fp8_compile(ctx: SuiteContext, out: dict) -> None:
         torch._dynamo.reset()
 
 
+def noise_reproducibility(device: torch.device) -> dict:
+    """On ``device``: is each backend's row bitwise the same drawn in a batch of 6 and in a reordered sub-batch of 3
+    (``*_bitwise_across_batches``)? And the largest difference between Philox drawn on ``device`` and on the CPU
+    (``philox_max_abs_diff_vs_cpu``: 0 for the uniforms' integer stream, an ulp or so for the normals)."""
+    from genrl.noise import rand_per_sample, randn_per_sample
+
+    out = {}
+    shape, idx, sub = (4, 8, 8), [3, 9, 40, 7, 12, 5], [7, 3, 12]
+    for backend in ("generator", "philox"):
+        full = randn_per_sample(shape, 11, idx, step=2, device=device, backend=backend)
+        part = randn_per_sample(shape, 11, sub, step=2, device=device, backend=backend)
+        out[f"{backend}_bitwise_across_batches"] = bool(
+            torch.equal(part[0], full[3]) and torch.equal(part[1], full[0]) and torch.equal(part[2], full[4]))
+    z_dev = randn_per_sample(shape, 11, idx, step=2, device=device, backend="philox").cpu()
+    z_cpu = randn_per_sample(shape, 11, idx, step=2, backend="philox")
+    u_dev = rand_per_sample(shape, 11, idx, step=2, device=device, backend="philox").cpu()
+    u_cpu = rand_per_sample(shape, 11, idx, step=2, backend="philox")
+    out["philox_normal_max_abs_diff_vs_cpu"] = float((z_dev - z_cpu).abs().max())
+    out["philox_uniform_max_abs_diff_vs_cpu"] = float((u_dev - u_cpu).abs().max())
+    return out
+
+
 def section_noise(ctx: SuiteContext, out: dict) -> None:
     """Section 6: one step's noise draw (``genrl.noise.randn_per_sample``) per backend, at the shapes world's size and
     at Wan2.1's (16 x [16, 21, 60, 104]), on the suite's device (``sampler_overhead.noise_cost``)."""
     sizes = sampler_overhead.NOISE_SIZES[:1] if ctx.tiny else sampler_overhead.NOISE_SIZES
     for row in sampler_overhead.noise_cost(str(ctx.device), repeats=3 if ctx.tiny else 5, sizes=sizes):
         out[f"{row['noise_cost']}_{row['backend']}_ms"] = round(1e3 * row["s_per_step"], 3)
+    out.update(noise_reproducibility(ctx.device))
     ctx.log("  noise per step: " + ", ".join(f"{k} {v}" for k, v in out.items()))
 
 
@@ -762,7 +785,11 @@ def _row_fp8(r: dict, tiny: bool) -> tuple[str, str]:
 def _row_noise(r: dict, tiny: bool) -> tuple[str, str]:
     parts = [f"{size} {backend} {_num(r.get(f'{size}_{backend}_ms'), 2, 'ms')}"
              for size in ("shapes", "wan2.1_480x832x81") for backend in ("generator", "philox")]
-    return "; ".join(parts), "small next to the 613 ms Wan forward"
+    parts.append("bitwise across batch compositions: generator "
+                 f"{r.get('generator_bitwise_across_batches')}, philox {r.get('philox_bitwise_across_batches')}")
+    parts.append(f"philox vs CPU max diff: normals {r.get('philox_normal_max_abs_diff_vs_cpu')}, uniforms "
+                 f"{r.get('philox_uniform_max_abs_diff_vs_cpu')}")
+    return "; ".join(parts), "small next to the 613 ms Wan forward; bitwise True"
 
 
 ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {

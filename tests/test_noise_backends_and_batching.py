@@ -262,3 +262,35 @@ def test_validation_sampler_keeps_the_rollouts_batching_and_noise_backend():
 
     val = ode_validation_config(RolloutConfig(batching="bucketed", noise_backend="philox", micro_batch_size=16))
     assert (val.kernel, val.batching, val.noise_backend, val.micro_batch_size) == ("ode", "bucketed", "philox", 16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device next to the CPU")
+def test_cuda_draws_are_made_on_the_device_and_reproducible_by_address():
+    """On CUDA both backends return device tensors, rows bitwise equal across batch compositions; Philox uniforms
+    equal the CPU's exactly, its normals to an ulp or so; CUDA generators differ from CPU ones."""
+    for backend in ("generator", "philox"):
+        full = randn_per_sample((4, 8), 2, [3, 9, 40], step=1, device="cuda", backend=backend)
+        part = randn_per_sample((4, 8), 2, [40, 3], step=1, device="cuda", backend=backend)
+        assert full.device.type == "cuda" and torch.equal(part[0], full[2]) and torch.equal(part[1], full[0])
+    u = rand_per_sample((64,), 2, [3], device="cuda", backend="philox").cpu()
+    assert torch.equal(u, rand_per_sample((64,), 2, [3], backend="philox"))
+    z = randn_per_sample((64,), 2, [3], device="cuda", backend="philox").cpu()
+    torch.testing.assert_close(z, randn_per_sample((64,), 2, [3], backend="philox"), rtol=0, atol=1e-5)
+
+
+def test_sampler_overhead_benchmark_measures_a_tiny_family():
+    """benchmarks/sampler_overhead.py's measurement on the tiny Wan2.1 (2 steps, one repeat) returns positive rollout
+    and raw times, the call count of its plan and the noise / kernel shares."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sampler_overhead
+
+    gen, shape, prompts = sampler_overhead.build("wan")
+    config = RolloutConfig(num_steps=2, kernel="flow_grpo", sde_steps="all", skip_last_step=False,
+                           micro_batch_size=12, batching="fast")
+    row = sampler_overhead.measure(gen, shape, prompts[:20], config, repeats=1)
+    assert row["calls_per_step"] == 2 and row["rollout_s"] > 0 and row["raw_forwards_s"] > 0
+    assert row["noise_s"] > 0 and row["kernel_s"] > 0
+    assert row["overhead"] == row["rollout_s"] / row["raw_forwards_s"] - 1
