@@ -9,9 +9,11 @@ The rollout is the quickstart's (configs/quickstart.yaml): 32 samples, 10 steps,
 SDE window, micro-batches of 32, every step recorded (latents, noises, log-probs). The raw figure is the same number
 of ``generator.velocity`` calls on the same input shapes (guided velocity's CFG doubling included), each timed
 alone, text encoded once outside the timing. ``overhead = rollout / raw - 1``: everything the sampler adds (noise
-draws, the step kernel and its log-prob, recording, indexing). The part spent drawing noise and in the step kernel is
-measured by timing those functions inside the rollout. Median of ``--repeats`` after one warm-up; one JSON line per
-configuration on stdout (appended to ``--out``). Run it with nothing else on the machine.
+draws, the step kernel and its log-prob, recording, indexing); ``overhead_vs_own_forwards`` divides by the time of
+the network calls inside the same rollout instead (insensitive to a change of the machine's load between the two).
+The part spent drawing noise and in the step kernel is measured by timing those functions inside the rollout. Median
+of ``--repeats`` after one warm-up; one JSON line per configuration on stdout (appended to ``--out``). Run it with
+nothing else on the machine.
 
 ``--noise-cost`` instead times one step's noise draw (``randn_per_sample``) per backend at the shapes world's size
 (32 x 8 x 3 x 16 x 16) and at Wan2.1's (16 x 16 x 21 x 60 x 104 latents) on ``--device``.
@@ -52,7 +54,7 @@ def measure(gen, shape, prompts, config, repeats: int) -> dict:
     import genrl.rollout.sampler as sampler
     from genrl.rollout.sampler import call_plan, encode_cfg, rollout
 
-    spent = {"noise": 0.0, "kernel": 0.0}
+    spent = {"noise": 0.0, "kernel": 0.0, "forward": 0.0}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -91,21 +93,27 @@ def measure(gen, shape, prompts, config, repeats: int) -> dict:
 
         rollout(gen, prompts, shape, seed=0, config=config)  # warm-up
         raw_forwards()
-        walls, raws, noise_s, kernel_s = [], [], [], []
+        walls, raws, noise_s, kernel_s, inside = [], [], [], [], []
+        real_velocity = gen.velocity
         for r in range(repeats):  # interleaved, so a change in the machine's load hits both alike
-            spent.update(noise=0.0, kernel=0.0)
+            spent.update(noise=0.0, kernel=0.0, forward=0.0)
             sampler.randn_per_sample, sampler.sde_step = timed("noise", real_noise), timed("kernel", real_step)
+            gen.velocity = timed("forward", real_velocity)
             try:
                 t0 = time.perf_counter()
                 rollout(gen, prompts, shape, seed=1 + r, config=config, rollout_id=r)
                 walls.append(time.perf_counter() - t0)
             finally:
                 sampler.randn_per_sample, sampler.sde_step = real_noise, real_step
+                del gen.velocity
             noise_s.append(spent["noise"])
             kernel_s.append(spent["kernel"])
+            inside.append(spent["forward"])
             raws.append(raw_forwards())
     wall, raw = statistics.median(walls), statistics.median(raws)
-    return {"rollout_s": wall, "raw_forwards_s": raw, "overhead": wall / raw - 1,
+    own = statistics.median(w / f - 1 for w, f in zip(walls, inside))
+    return {"rollout_s": wall, "raw_forwards_s": raw, "overhead": wall / raw - 1, "overhead_vs_own_forwards": own,
+            "forwards_inside_rollout_s": statistics.median(inside),
             "noise_s": statistics.median(noise_s), "kernel_s": statistics.median(kernel_s),
             "calls_per_step": len(plan), "rollout_s_all": walls, "raw_forwards_s_all": raws}
 

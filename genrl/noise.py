@@ -57,6 +57,18 @@ def mix_seed(*parts: int) -> int:
     return h & ((1 << 63) - 1)
 
 
+def _keys(seed: int, indices, step: int, stream: int) -> list[int]:
+    """``[mix_seed(seed, i, step, stream) for i in indices]``, the seed's hash computed once."""
+    mix_seed(seed, step, stream)  # type checks (a TypeError names a bad part)
+    head = _splitmix64(int(seed) & _MASK64)
+    step, stream = int(step) & _MASK64, int(stream) & _MASK64
+    out = []
+    for i in indices:
+        h = _splitmix64(head ^ (int(i) & _MASK64))
+        out.append(_splitmix64(_splitmix64(h ^ step) ^ stream) & ((1 << 63) - 1))
+    return out
+
+
 def sample_generator(seed: int, index: int, step: int = 0, stream: int = 0,
                      device: torch.device | str = "cpu") -> torch.Generator:
     """A ``torch.Generator`` on ``device`` for one sample's draw at one step of one random stream."""
@@ -133,7 +145,7 @@ def _philox_draw(kind: str, shape, seed, indices, step, stream, device, dtype) -
     numel = 1
     for d in shape:
         numel *= int(d)
-    keys = [mix_seed(seed, int(i), step, stream) for i in indices]
+    keys = _keys(seed, indices, step, stream)
     device = torch.device(device)
     if not keys:
         return torch.empty((0, *shape), device=device, dtype=dtype)
@@ -158,8 +170,10 @@ def _per_sample(kind, shape, seed, indices, step, stream, device, dtype, backend
     if device.type == "meta":  # shapes only (no values, no generator there)
         return out
     draw = torch.rand if kind == "rand" else torch.randn
-    for row, i in enumerate(indices):
-        out[row] = draw(shape, generator=sample_generator(seed, i, step, stream, device), device=device, dtype=dtype)
+    gen = torch.Generator(device)  # reseeded per row: the same values as sample_generator(seed, i, step, stream)
+    for row, key in enumerate(_keys(seed, indices, step, stream)):
+        gen.manual_seed(key)
+        draw(shape, generator=gen, out=out[row])
     return out
 
 

@@ -106,20 +106,22 @@ def test_philox_addresses_give_independent_standard_normals():
 
 
 def test_generator_backend_draws_on_the_requested_device_and_backends_are_checked(monkeypatch):
-    """The default backend builds each sample's generator on the draw's device (no host copy) and keeps the CPU
-    values it always had; an unknown backend is refused, naming it (in the draw and in RolloutConfig)."""
+    """The default backend draws from a generator on the draw's device (no host copy), reseeded per sample with the
+    address hash, and keeps the CPU values it always had (those of ``sample_generator``); an unknown backend is
+    refused, naming it (in the draw and in RolloutConfig)."""
     seen = []
-    real = noise_mod.sample_generator
+    real = torch.Generator
 
-    def spy(seed, index, step=0, stream=0, device="cpu"):
+    def spy(device="cpu"):
         seen.append(torch.device(device).type)
-        return real(seed, index, step, stream, device)
+        return real(device)
 
-    monkeypatch.setattr(noise_mod, "sample_generator", spy)
+    monkeypatch.setattr(noise_mod.torch, "Generator", spy)
     out = randn_per_sample((3,), 2, [0, 1], device="cpu")
-    assert seen == ["cpu", "cpu"]
-    g = torch.Generator().manual_seed(mix_seed(2, 1, 0, 0))
-    assert torch.equal(out[1], torch.randn((3,), generator=g))
+    monkeypatch.undo()
+    assert seen == ["cpu"]  # one generator on the draw's device, reseeded per row
+    for row in (0, 1):
+        assert torch.equal(out[row], torch.randn((3,), generator=noise_mod.sample_generator(2, row, 0, 0)))
     with pytest.raises(ValueError, match="unknown noise backend 'cuda_philox'"):
         randn_per_sample((3,), 2, [0], backend="cuda_philox")
     with pytest.raises(ValueError, match="unknown noise backend 'fast'"):
