@@ -296,3 +296,15 @@ def test_sampler_overhead_benchmark_measures_a_tiny_family():
     assert row["calls_per_step"] == 2 and row["rollout_s"] > 0 and row["raw_forwards_s"] > 0
     assert row["noise_s"] > 0 and row["kernel_s"] > 0
     assert row["overhead"] == row["rollout_s"] / row["raw_forwards_s"] - 1
+
+
+@pytest.mark.parametrize("kind", ["randn", "rand"])
+def test_philox_chunking_does_not_change_the_values(monkeypatch, kind):
+    """The Philox draw is computed in counter chunks (small on the CPU for the cache): chunks of 1, 2 and 3 counters
+    per row (13 elements: the last counter half used) give bitwise the values of one pass."""
+    draw = randn_per_sample if kind == "randn" else rand_per_sample
+    monkeypatch.setitem(noise_mod._PHILOX_CHUNK, "cpu", 1 << 30)
+    whole = draw((13,), 4, [2, 5, 9], step=1, backend="philox")
+    for per_row in (1, 2, 3):
+        monkeypatch.setitem(noise_mod._PHILOX_CHUNK, "cpu", 4 * 3 * per_row)
+        assert torch.equal(draw((13,), 4, [2, 5, 9], step=1, backend="philox"), whole)
