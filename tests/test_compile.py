@@ -11,6 +11,7 @@ compilation each on 2 cores) and marked ``slow``.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import pytest
@@ -344,3 +345,42 @@ def test_inductor_rollout_and_training_step_match_eager(tiny_policy, tiny_text_e
     for n in grads[0]:
         scale = float(grads[0][n].abs().max())
         assert scale > 0 and float((grads[1][n] - grads[0][n]).abs().max()) <= INDUCTOR_GRAD_RTOL * scale, n
+
+
+# ---------------------------------------------------------------------------------------------------- families
+def test_a_diffusers_family_compiles_in_place(tmp_path):
+    """The same option on a diffusers family (tiny Wan2.1): its transformer is compiled in place (same keys, the
+    pipeline's transformer is the same object), gives the eager velocity bit for bit and compiles once per shape."""
+    from families_util import save_tiny_pipeline
+
+    from genrl.testing.families import TINY_SIZE
+
+    folder = save_tiny_pipeline("wan", tmp_path / "wan")
+    eager = build_generator(GeneratorSpec(family="wan", pretrained=str(folder), **TINY_SIZE["wan"]))
+    compiled = build_generator(GeneratorSpec(family="wan", pretrained=str(folder), compile=EAGER,
+                                             **TINY_SIZE["wan"]))
+    assert is_compiled(compiled.transformer) and compiled.pipeline.transformer is compiled.transformer
+    assert list(compiled.transformer.state_dict()) == list(eager.transformer.state_dict())
+    cond = eager.encode_prompts(PROMPTS[:2])
+    for seed, expect_graphs in ((0, 1), (1, 0)):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(2, *eager.latent_shape, generator=g)
+        sigma = torch.rand(2, generator=g)
+        with torch.no_grad(), CompileCounter() as c:
+            v = compiled.velocity(x, sigma, cond)
+        assert c.graphs == expect_graphs
+        with torch.no_grad():
+            assert torch.equal(v, eager.velocity(x, sigma, cond))
+
+
+def test_a_compiled_causal_student_warns(tiny_policy, tiny_text_encoder):
+    """Chunk-wise rollouts with a KV cache are not static: configure_student says so, naming the key to turn off."""
+    from genrl.methods import ODEInit
+
+    student = ODEInit(generator=_spec(tiny_policy, tiny_text_encoder, EAGER))
+    with pytest.warns(UserWarning, match=r"causal student.*generator.compile=false"):
+        student.configure_model()
+    eager = ODEInit(generator=_spec(tiny_policy, tiny_text_encoder))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        eager.configure_model()
