@@ -7,6 +7,7 @@ docs/methods/distillation.md describes the methods; docs/new_method.md how they 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Literal
 
@@ -19,6 +20,7 @@ from genrl.flow.dmd import sample_dmd_sigma
 from genrl.flow.guidance import cfg_combine
 from genrl.flow.nft import advantage_to_r, bt_loss, centered_advantages, r1_penalty, r2_penalty
 from genrl.methods.common import build_student, gather_batch, rank_slice, trainer_of
+from genrl.models.compile import is_compiled
 from genrl.models.roles import swapped_transformer
 from genrl.models.text_encoder import Conditioning
 from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
@@ -41,7 +43,8 @@ def configure_student(method: LightningModule, build=build_student):
     ``method.generator_spec`` with ``method.hparams.lora`` (``build``: :func:`~genrl.methods.common.build_student`,
     whose missing-folder error names the ODE-init stage), check the causal interface and that the chunk layout
     ``method.schedule.causal`` is a multiple of the transformer's temporal patch, make the generator block-causal
-    (``generator.causal``), register it as the trainable role ``generator`` and build ``method.scorer``.
+    (``generator.causal``), register it as the trainable role ``generator`` and build ``method.scorer``. Warns when
+    the student is compiled (``generator.compile``): causal rollouts are not static (:mod:`genrl.models.compile`).
 
     Returns:
         the student, or None when the method was already configured.
@@ -60,6 +63,11 @@ def configure_student(method: LightningModule, build=build_student):
     if isinstance(patch, (list, tuple)) and len(patch) == 3:
         method.schedule.causal.check_patch(int(patch[0]))
     generator.causal = method.schedule.causal
+    if is_compiled(generator.transformer):
+        warnings.warn("generator.compile is on for a causal student: chunk-wise rollouts with a KV cache change "
+                      "shapes every chunk and break the graph on the cache bookkeeping, so they recompile per chunk "
+                      "(then run eager past dynamo's recompile_limit) and are slower than eager; set "
+                      "model.init_args.generator.compile=false", stacklevel=2)
     method.roles.trainable("generator", generator)
     method.scorer.build(trainer_of(method))
     return generator

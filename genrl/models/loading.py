@@ -13,7 +13,9 @@
   the LoRA adapter of the run when it had one, then the trained ``generator.transformer.*`` weights (the EMA
   shadow over them when ``use_ema`` and the run had an EMA callback).
 
-The returned generator is on the CPU, in eval mode; move it with ``.to(device)`` (frozen parts follow lazily).
+The returned generator is on the CPU, in eval mode; move it with ``.to(device)`` (frozen parts follow lazily). It is
+not compiled, whatever the run's ``generator.compile`` was (a checkpoint of a compiled run has the same keys);
+:func:`genrl.models.compile.compile_generator` compiles it.
 """
 
 from __future__ import annotations
@@ -272,7 +274,7 @@ def _add_lora(generator, lora) -> None:
 def _load_family_checkpoint(path: Path, ckpt: dict, hp: dict, *, height, width, num_frames, torch_dtype,
                             use_ema, pretrained):
     spec = _as_dataclass(hp["generator"], GeneratorSpec)
-    changes: dict[str, Any] = {"torch_dtype": torch_dtype}
+    changes: dict[str, Any] = {"torch_dtype": torch_dtype, "compile": False}  # the scripts run eager
     for key, value in (("height", height), ("width", width), ("num_frames", num_frames)):
         if value is not None:
             changes[key] = int(value)

@@ -41,6 +41,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from genrl.models.compile import compile_like
+
 __all__ = ["FrozenRoles", "LaggedCopy", "Role", "RoleKind", "Roles", "RolloutCopy", "has_lora", "ramped_decay",
            "swapped_transformer"]
 
@@ -191,6 +193,10 @@ class RolloutCopy(nn.Module):
         quantize: optional ``module -> module`` applied after the cast (e.g. a torchao weight-only FP8 /
             NVFP4 quantization); with it :meth:`sync` rebuilds the copy from the live weights instead of copying in
             place.
+
+    When the live transformer is compiled (``generator.compile``), the copy is compiled with the same options
+    (:func:`genrl.models.compile.compile_like`): its own graphs in its own dtype, compiled at its first rollout and
+    reused after every :meth:`sync` that copies in place (a rebuilt, re-quantized copy is traced again).
     """
 
     def __init__(self, module: nn.Module, dtype: torch.dtype | None = None, quantize=None) -> None:
@@ -202,7 +208,8 @@ class RolloutCopy(nn.Module):
         module = copy.deepcopy(live).requires_grad_(False).eval()
         if self.dtype is not None:
             module = module.to(self.dtype)
-        return self.quantize(module) if self.quantize is not None else module
+        module = self.quantize(module) if self.quantize is not None else module
+        return compile_like(module, live)  # a compiled policy rolls out through a compiled copy
 
     @torch.no_grad()
     def sync(self, live: nn.Module) -> None:
@@ -301,9 +308,11 @@ class Roles:
 
     def reference_copy(self, generator: nn.Module) -> None:
         """Declare the reference policy: nothing to store when ``generator.transformer`` has a LoRA adapter (the
-        reference is the adapter-disabled model), else a frozen copy of its current (initial) weights."""
+        reference is the adapter-disabled model), else a frozen copy of its current (initial) weights, compiled like
+        the policy when the policy is compiled."""
         if not has_lora(generator.transformer):
-            self.frozen("reference", copy.deepcopy(generator.transformer))
+            live = generator.transformer
+            self.frozen("reference", compile_like(copy.deepcopy(live), live))
 
     def get(self, name: str) -> nn.Module:
         """The network of role ``name``. Raises KeyError naming the declared roles."""

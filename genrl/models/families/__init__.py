@@ -12,6 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from genrl.models.compile import compile_generator, compile_options
 from genrl.models.families.base import DiffusersGenerator, _dtype, check_pipeline_folder, set_attention_backend
 from genrl.models.families.dit import build_dit
 
@@ -74,6 +75,14 @@ class GeneratorSpec:
         offload_text_encoders: keep text encoders on the CPU between encodings (saves GPU memory).
         local_files_only: never reach a hub (default).
         options: family-specific keywords (e.g. FLUX ``guidance_scale`` of the guidance embedding).
+        compile: ``torch.compile`` of the denoiser (the DiT / the family's transformer), in place, for rollouts and
+            training steps: False (default), True (inductor, default mode, static shapes) or a mapping of
+            ``torch.compile`` keywords (``backend``, ``mode``, ``options``, ``dynamic`` (default False),
+            ``fullgraph``), e.g. ``{mode: max-autotune-no-cudagraphs}``. State-dict keys do not change; see
+            :mod:`genrl.models.compile` for what recompiles.
+
+    Raises:
+        ValueError: a bad ``compile`` value (unknown key, backend or mode; names it and the fix).
     """
 
     family: str = "dit"
@@ -93,13 +102,19 @@ class GeneratorSpec:
     local_files_only: bool = True
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    compile: bool | dict[str, Any] = False
+
+    def __post_init__(self) -> None:
+        compile_options(self.compile)  # fail at config time, naming the bad value
 
 
 def build_generator(spec: GeneratorSpec | dict) -> DiffusersGenerator:
-    """Build the adapter named by ``spec``.
+    """Build the adapter named by ``spec``; with ``spec.compile`` its denoiser is compiled in place
+    (:func:`genrl.models.compile.compile_generator`; traced at its first call, so an adapter added before then is in
+    the graph).
 
     Raises:
-        ValueError: unknown family, neither or both of ``pretrained`` / ``components``, bad sizes.
+        ValueError: unknown family, neither or both of ``pretrained`` / ``components``, bad sizes, a bad ``compile``.
         FileNotFoundError: an incomplete weights folder (names the missing file and the expected layout).
     """
     spec = spec if isinstance(spec, GeneratorSpec) else GeneratorSpec(**spec)
@@ -109,7 +124,7 @@ def build_generator(spec: GeneratorSpec | dict) -> DiffusersGenerator:
             f"values for random weights); got pretrained={spec.pretrained!r}, components={sorted(spec.components)}"
         )
     if spec.family == "dit":
-        return build_dit(spec)
+        return compile_generator(build_dit(spec), spec.compile)
     if spec.text_encoder is not None:
         raise ValueError(f"{spec.family}: text_encoder={spec.text_encoder!r} is for family 'dit' only; a diffusers "
                          f"family loads its own text encoders from its pipeline folder (drop text_encoder)")
@@ -129,4 +144,4 @@ def build_generator(spec: GeneratorSpec | dict) -> DiffusersGenerator:
         gen.transformer.enable_gradient_checkpointing()
     if spec.attention_backend not in ("sdpa", "native"):  # a fresh model already runs PyTorch SDPA
         set_attention_backend(gen.transformer, spec.attention_backend)
-    return gen
+    return compile_generator(gen, spec.compile)
