@@ -56,6 +56,20 @@ def tiny_text_encoder(tmp_path_factory) -> str:
 TINY_DIT = dict(hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=16, patch_size=[2, 2, 2])
 
 
+@pytest.fixture(scope="module")
+def tiny_dit_generator(tiny_text_encoder):
+    """A 2-layer VideoDiT (hidden 32, 2 heads) with N(0, 0.1) weights (seed 0) and the tiny text encoder, in eval mode;
+    one per test module."""
+    from genrl.models import DiTGenerator, TextEncoder, VideoDiT
+
+    torch.manual_seed(0)
+    dit = VideoDiT(hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=16)
+    with torch.no_grad():
+        for p in dit.parameters():
+            p.normal_(0.0, 0.1)
+    return DiTGenerator(dit.eval(), TextEncoder.from_pretrained(tiny_text_encoder))
+
+
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> str:
     """A tiny VideoDiT with random (not zero-initialised) weights, saved with save_pretrained."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import genrl.noise as noise_mod
-from genrl.models import DiTGenerator, TextEncoder, VideoDiT
+from genrl.models import DiTGenerator
 from genrl.noise import mix_seed, philox4x32, rand_per_sample, randn_per_sample
 from genrl.rollout import RolloutConfig, rollout, transition_log_prob
 from genrl.rollout.sampler import call_plan, guided_velocity
@@ -198,13 +198,8 @@ def test_bucketed_pads_an_odd_frontier_to_a_power_of_two():
 
 
 @pytest.fixture(scope="module")
-def dit(tiny_text_encoder) -> DiTGenerator:
-    torch.manual_seed(0)
-    net = VideoDiT(hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=16)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0.0, 0.1)
-    return DiTGenerator(net.eval(), TextEncoder.from_pretrained(tiny_text_encoder))
+def dit(tiny_dit_generator) -> DiTGenerator:
+    return tiny_dit_generator
 
 
 PROMPTS = ["a red circle moving left slowly", "a blue square", "a green triangle moving up quickly",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genrl.models import DiTGenerator, TextEncoder, VideoDiT
+from genrl.models import DiTGenerator
 from genrl.rollout import RolloutConfig, Trajectory, rollout, sample_ode, sde_mask, transition_log_prob
 
 SHAPE = (4, 3, 8, 8)
@@ -14,13 +14,8 @@ PROMPTS = ["a red circle moving left slowly", "a blue square", "a green triangle
 
 
 @pytest.fixture(scope="module")
-def gen(tiny_text_encoder) -> DiTGenerator:
-    torch.manual_seed(0)
-    dit = VideoDiT(hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=16)
-    with torch.no_grad():
-        for p in dit.parameters():
-            p.normal_(0.0, 0.1)
-    return DiTGenerator(dit.eval(), TextEncoder.from_pretrained(tiny_text_encoder))
+def gen(tiny_dit_generator) -> DiTGenerator:
+    return tiny_dit_generator
 
 
 @pytest.mark.parametrize("kernel,cfg", [("flow_grpo", 1.0), ("dance_grpo", 3.0)])
