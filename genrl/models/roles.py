@@ -154,18 +154,46 @@ class LaggedCopy(nn.Module):
                            f"module")
         return [(params[n], getattr(self, _buffer_name(n))) for n in self.names]
 
+    @torch.no_grad()
+    def shard_like(self, module: nn.Module) -> int:
+        """After ``module`` was sharded (FSDP2), place each lagged tensor like its live parameter: a ``DTensor`` with
+        the parameter's mesh and placements (this rank keeps its slice), so :meth:`update` and :meth:`applied` work
+        shard by shard and the copy costs ``1/N`` per rank. Tensors already placed are left alone.
+
+        Returns:
+            the number of tensors re-placed.
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        n = 0
+        for name, (p, s) in zip(self.names, self._pairs(module), strict=True):
+            if isinstance(p, DTensor) and not isinstance(s, DTensor):
+                placed = distribute_tensor(s.to(p.device), p.device_mesh, p.placements)
+                setattr(self, _buffer_name(name), placed)  # an existing buffer name: stays a registered buffer
+                n += 1
+        return n
+
     @contextmanager
     def applied(self, module: nn.Module) -> Iterator[nn.Module]:
-        """Run ``module`` with the lagged weights: the tensors are swapped in (no copy) and swapped back on exit.
-        Use under ``torch.no_grad()`` and take no optimizer step inside."""
+        """Run ``module`` with the lagged weights, restored on exit. Plain tensors are swapped in (no copy); sharded
+        (FSDP2) parameters are copied in and back, as FSDP2 gathers from its own storage (``.data`` must not be
+        replaced). Use under ``torch.no_grad()`` and take no optimizer step inside."""
+        from torch.distributed.tensor import DTensor
+
         pairs = self._pairs(module)
-        for p, s in pairs:
+        swap = [(p, s) for p, s in pairs if not isinstance(p, DTensor)]
+        copied = [(p, s, p.detach().clone()) for p, s in pairs if isinstance(p, DTensor)]
+        for p, s in swap:
             p.data, s.data = s.data, p.data
+        for p, s, _ in copied:
+            p.detach().copy_(s)
         try:
             yield module
         finally:
-            for p, s in pairs:
+            for p, s in swap:
                 p.data, s.data = s.data, p.data
+            for p, _, live in copied:
+                p.detach().copy_(live)
 
     @torch.no_grad()
     def update(self, module: nn.Module, decay: float) -> None:
