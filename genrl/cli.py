@@ -28,6 +28,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
 import genrl.methods  # noqa: F401  (registers genrl's methods for short class names)
+import genrl.strategies  # noqa: F401  (FSDP2Strategy by its short class name)
 from genrl.callbacks import InterruptCheckpoint, SamplingRecord, StepProgressBar
 
 __all__ = ["GenRLArgumentParser", "GenRLCLI", "check_legacy_keys", "main", "suggest_keys"]

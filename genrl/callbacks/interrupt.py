@@ -56,9 +56,9 @@ class InterruptCheckpoint(Callback):
     ``... --ckpt_path last`` resumes it; without a ModelCheckpoint (or one whose folder depends on the logger's
     version) the message names the file itself. A plain Callback (not a Lightning ``Checkpoint``), so runs with
     ``trainer.enable_checkpointing: false`` accept it (they save to ``default_root_dir`` on interruption).
-    The file is written to a temporary name and renamed into place
-    (``os.replace``), and removed when a later ``fit`` of the run finishes normally (the run's own checkpoints
-    are newer then).
+    The file is written to a temporary name and renamed into place (``os.replace``; a strategy with
+    ``atomic_checkpoints``, e.g. genrl's FSDP2, publishes it itself), and removed when a later ``fit`` of the run
+    finishes normally (the run's own checkpoints are newer then).
 
     Args:
         argv: the command's arguments (default ``sys.argv[1:]``), to print the resume command.
@@ -139,12 +139,15 @@ class InterruptCheckpoint(Callback):
                       f"half-done step cannot be resumed). " + self._earlier(trainer))
             return
         path, last_finds_it = self.checkpoint_path(trainer)
-        tmp = path.with_name(f".{path.name}.tmp")
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(str(tmp))
-        if trainer.is_global_zero:
-            os.replace(tmp, path)
+        if getattr(trainer.strategy, "atomic_checkpoints", False):  # FSDP2Strategy: it publishes only complete ones
+            trainer.save_checkpoint(str(path))
+        else:
+            tmp = path.with_name(f".{path.name}.tmp")
+            trainer.save_checkpoint(str(tmp))
+            if trainer.is_global_zero:
+                os.replace(tmp, path)
         trainer.strategy.barrier("genrl_interrupt_checkpoint")
         self.saved_path = str(path)
         resume = resume_command(self.argv, ckpt="last" if last_finds_it else str(path))
@@ -172,8 +175,10 @@ class InterruptCheckpoint(Callback):
         if stage != "fit" or trainer.interrupted or not trainer.is_global_zero:
             return
         path, _ = self.checkpoint_path(trainer)
-        if path.is_file():
+        if path.exists():  # a file, or the link to a distributed checkpoint's folder
             newer = [p for p in path.parent.glob("last*.ckpt")
                      if p != path and p.stat().st_mtime > path.stat().st_mtime]
-            if newer:
+            if newer and path.is_symlink():  # FSDP2's published folder: the strategy removes link and folder
+                trainer.strategy.remove_checkpoint(str(path))
+            elif newer:
                 path.unlink()
