@@ -11,6 +11,23 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 __all__ = ["EMA", "find_ema"]
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t``, gathered first when it is a sharded ``DTensor`` (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
+def _placed_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` (a whole tensor from a checkpoint) as float32 on ``param``'s device, sharded like ``param`` when it is
+    a ``DTensor`` (this rank keeps its slice)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        return distribute_tensor(full.to(param.device, torch.float32), param.device_mesh, param.placements)
+    return full.to(param.device, torch.float32)
+
+
 class EMA(Callback):
     """EMA of every parameter with ``requires_grad`` (the trained role; frozen parts and LoRA bases skipped).
 
@@ -19,7 +36,9 @@ class EMA(Callback):
     ``use_ema_warmup=False`` defaults), so early averages are not dominated by the random init. The
     shadow weights are swapped in for validation (samples and scores use the EMA model) and used by
     :class:`~genrl.callbacks.DiffusersExport`; the raw weights keep training. The shadow and the update
-    count live in the callback's state in the Lightning checkpoint, so ``--ckpt_path last`` resumes exactly.
+    count live in the callback's state in the Lightning checkpoint, so ``--ckpt_path last`` resumes exactly. Under
+    FSDP2 the shadow is sharded like the parameters (each rank averages its slice) and is gathered whole into the
+    checkpoint.
 
     Args:
         decay: EMA decay in [0, 1).
@@ -68,14 +87,17 @@ class EMA(Callback):
             missing = sorted(set(params) - set(self._pending["shadow"]))
             if missing:
                 raise KeyError(f"EMA state in the checkpoint lacks trained parameters {missing[:5]}...")
-            self.shadow = {n: self._pending["shadow"][n].to(params[n].device, torch.float32) for n in params}
+            self.shadow = {n: _placed_like(self._pending["shadow"][n], params[n]) for n in params}
             self.num_updates = int(self._pending["num_updates"])
             self._pending = None
         else:
             self.shadow = {n: p.detach().float().clone() for n, p in params.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"shadow": {n: t.cpu() for n, t in self.shadow.items()}, "num_updates": self.num_updates}
+        """``{"shadow": {name: full float32 CPU tensor}, "num_updates": n}``. Under FSDP2 the shadow is sharded like
+        the parameters and each tensor is gathered here (a collective: Lightning asks every rank for the callback
+        states), so the checkpoint holds the whole average whatever the number of processes."""
+        return {"shadow": {n: _full(t) for n, t in self.shadow.items()}, "num_updates": self.num_updates}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = state_dict

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from genrl.models.loading import (  # the export / checkpoint layout load_genera
     CHECKPOINT_SAMPLING_KEY,
     EXPORT_INFO_FILE,
 )
+from genrl.models.sharding import full_state_dict, is_sharded
 
 __all__ = ["DiffusersExport", "SamplingRecord", "sampling_of"]
 
@@ -50,8 +51,26 @@ class SamplingRecord(Callback):
         checkpoint[CHECKPOINT_SAMPLING_KEY] = sampling_of(pl_module)
 
 
+@contextmanager
+def _state_dict_of(module, state: dict | None):
+    """``module.state_dict()`` returns ``state`` inside (None: unchanged), so ``save_pretrained`` writes gathered full
+    weights of a sharded module with diffusers' own file layout (config, safetensors shards, index)."""
+    if state is None:
+        yield module
+        return
+    module.state_dict = lambda *args, **kwargs: state
+    try:
+        yield module
+    finally:
+        del module.state_dict
+
+
 class DiffusersExport(Callback):
     """At the end of ``fit``, save ``pl_module.generator.transformer`` with ``save_pretrained(dirpath)``.
+
+    Under FSDP2 (:class:`genrl.strategies.FSDP2Strategy`) every rank gathers the full weights
+    (:func:`genrl.models.sharding.full_state_dict`, a collective) and rank 0 writes them: the folder is the same as a
+    single-process run's. Under DDP rank 0 writes its (identical) copy.
 
     When the trainer has an :class:`~genrl.callbacks.EMA` callback, the EMA weights are exported (the
     module's raw weights are left as they are).
@@ -70,11 +89,19 @@ class DiffusersExport(Callback):
         self.safe_serialization = safe_serialization
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        transformer = pl_module.generator.transformer
+        ema = find_ema(trainer)
+        sharded = is_sharded(transformer)
+        if not sharded and not trainer.is_global_zero:
+            return
+        with ema.swapped(pl_module) if ema is not None else nullcontext():
+            # under FSDP2 every rank takes part in gathering the full weights; rank 0 writes them
+            full = full_state_dict(transformer) if sharded else None
+            if trainer.is_global_zero:
+                with _state_dict_of(transformer, full):
+                    transformer.save_pretrained(self.dirpath, safe_serialization=self.safe_serialization)
         if not trainer.is_global_zero:
             return
-        ema = find_ema(trainer)
-        with ema.swapped(pl_module) if ema is not None else nullcontext():
-            pl_module.generator.transformer.save_pretrained(self.dirpath, safe_serialization=self.safe_serialization)
         info = {"ema": ema is not None, "global_step": int(trainer.global_step), "sampling": sampling_of(pl_module)}
         Path(self.dirpath, EXPORT_INFO_FILE).write_text(json.dumps(info))
         schedule = getattr(pl_module, "schedule", None)
