@@ -34,6 +34,7 @@ from genrl.methods.common import (
     frame_shape_of,
     log_validation_rewards,
     policy_spec,
+    role_optimizers,
 )
 from genrl.methods.distill import (
     causal_videos,
@@ -165,7 +166,7 @@ class AFD(LightningModule):
             self.roles.reference_copy(gen)
 
     def configure_optimizers(self):
-        return self.roles.optimizers(generator=self.student_factory, discriminator=self.disc_factory)
+        return role_optimizers(self, generator=self.student_factory, discriminator=self.disc_factory)
 
     # ------------------------------------------------------------------ pieces
     @property

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.lora import LoraSpec
@@ -19,8 +20,8 @@ from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "build_policy", "build_student", "check_finite",
            "configure_policy", "configure_policy_optimizer", "default_latent_shape", "frame_shape_of", "gather_batch",
-           "linear_warmup", "log_validation_rewards", "ode_validation_config", "policy_optimizer", "policy_spec",
-           "rank_slice", "step_uncounted", "trainer_of", "world_of"]
+           "linear_warmup", "local_mini_batch", "log_validation_rewards", "ode_validation_config", "policy_optimizer",
+           "policy_spec", "rank_slice", "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -141,6 +142,26 @@ def gather_batch(module: LightningModule, t: torch.Tensor) -> torch.Tensor:
     return module.all_gather(t.to(module.device)).reshape(-1, *t.shape[1:]).cpu()
 
 
+def local_mini_batch(module: LightningModule, mini_batch_size: int | None, local: int) -> int:
+    """This rank's share of a global ``mini_batch_size`` (samples per optimizer step over all ranks; None: the whole
+    batch) when each of the W ranks holds ``local`` samples: ``mini_batch_size / W``.
+
+    Raises:
+        ValueError: W does not divide ``mini_batch_size``, or the share does not divide ``local`` (names the
+            values and the divisors that would work).
+    """
+    _, world = world_of(module)
+    if mini_batch_size is None:
+        return local
+    if mini_batch_size % world or local % (mini_batch_size // world):
+        total = local * world
+        ok = [d for d in range(world, total + 1, world) if total % d == 0 and local % (d // world) == 0]
+        raise ValueError(f"mini_batch_size {mini_batch_size} cannot split the batch of {total} samples "
+                         f"(prompts_per_batch x group_size) over {world} device(s) into equal optimizer steps; use one "
+                         f"of {ok}")
+    return mini_batch_size // world
+
+
 def rank_slice(module: LightningModule, t: torch.Tensor, n: int) -> torch.Tensor:
     """This rank's ``n`` rows of a gathered batch ``t`` [world * n, ...] (inverse of :func:`gather_batch`)."""
     rank, _ = world_of(module)
@@ -167,6 +188,26 @@ def frame_shape_of(generator, latent_shape=None, default: tuple[int, ...] = (3, 
         return tuple(default)
     fd = getattr(generator, "frame_dim", 1)
     return tuple(int(v) for i, v in enumerate(shape) if i != fd - 1)
+
+
+def role_optimizers(method: LightningModule, **factories) -> list:
+    """``method.roles.optimizers(**factories)`` (one optimizer per trainable role) for a method that updates several
+    networks in separate backward passes (DMD: generator and critic; AFD: student and discriminator).
+
+    Under DDP such a backward leaves the other network's parameters without a gradient, which DDP accepts only with
+    ``find_unused_parameters`` (the ``configs/trainer/ddp.yaml`` profile sets it); FSDP2 needs nothing.
+
+    Raises:
+        ValueError: several networks under a DDP strategy without ``find_unused_parameters`` (names the fix).
+    """
+    trainer = trainer_of(method)
+    wrapped = getattr(getattr(trainer, "strategy", None), "model", None)
+    if len(factories) > 1 and isinstance(wrapped, DistributedDataParallel) and not wrapped.find_unused_parameters:
+        raise ValueError(
+            f"{type(method).__name__} updates {', '.join(factories)} in separate backward passes; under DDP that "
+            f"needs find_unused_parameters: use --trainer.strategy=ddp_find_unused_parameters_true (or the profile "
+            f"configs/trainer/ddp.yaml), or FSDP2 (configs/trainer/fsdp2.yaml)")
+    return method.roles.optimizers(**factories)
 
 
 def configure_policy_optimizer(method: LightningModule):

@@ -32,6 +32,7 @@ from genrl.methods.common import (
     frame_shape_of,
     log_validation_rewards,
     policy_spec,
+    role_optimizers,
     step_uncounted,
 )
 from genrl.methods.distill import (
@@ -166,7 +167,7 @@ class DMD(LightningModule):
         self.roles.trainable("critic", critic.requires_grad_(True).train())
 
     def configure_optimizers(self):
-        return self.roles.optimizers(generator=self.generator_factory, critic=self.critic_factory)
+        return role_optimizers(self, generator=self.generator_factory, critic=self.critic_factory)
 
     # ------------------------------------------------------------------ roles
     @property

@@ -29,6 +29,7 @@ from genrl.methods.common import (
     advance_iteration,
     configure_policy,
     configure_policy_optimizer,
+    local_mini_batch,
     ode_validation_config,
     policy_spec,
 )
@@ -70,7 +71,9 @@ class GRPO(LightningModule):
         optimizer: optimizer factory (default AdamW(lr=1e-3)).
         max_grad_norm: gradient-norm clip per optimizer step (0 disables).
         inner_epochs: passes over each rollout batch.
-        mini_batch_size: samples per optimizer step (None = the whole local rollout batch).
+        mini_batch_size: samples per optimizer step over all devices (None = the whole rollout batch, one step per
+            inner epoch); each rank takes ``mini_batch_size / devices`` of its samples, so the optimizer steps are the
+            same on 1 or N devices.
         eval_rollout: sampler for validation (default: ODE, 20 steps, the rollout's CFG).
         seed: seed of all randomness.
     """
@@ -165,10 +168,7 @@ class GRPO(LightningModule):
         traj, steps = ro.samples, ro.samples.sde_steps
         if not steps:
             raise ValueError("the rollout has no stochastic step to train; check rollout.kernel / sde_steps")
-        mb = h.mini_batch_size or n
-        if n % mb:
-            raise ValueError(f"mini_batch_size {mb} does not divide the local batch of {n} samples "
-                             f"(prompts_per_batch x group_size / devices); pick a divisor of {n}")
+        mb = local_mini_batch(self, h.mini_batch_size, n)
 
         def units(rows: torch.Tensor):  # one optimizer step: every trained step of the mini-batch
             sub = traj.select(rows)

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import LightningModule
 
 from genrl.flow.policy import group_advantages, group_stats
-from genrl.methods.common import Scorer, gather_batch, log_validation_rewards, rank_slice, step_uncounted
+from genrl.methods.common import Scorer, gather_batch, log_validation_rewards, rank_slice, step_uncounted, world_of
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
@@ -221,7 +221,8 @@ def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable
     (:func:`~genrl.methods.common.step_uncounted`), so a multi-optimizer method counts iterations.
 
     Returns:
-        ``{stat: sum of the units' weighted values / sum of their weights}`` over all steps.
+        ``{stat: sum of the units' weighted values / sum of their weights}`` over all steps and, on several
+        processes, over all ranks (so the logged statistics do not depend on the device count).
     """
     sums: dict[str, float] = {}
     weight = 0.0
@@ -241,4 +242,16 @@ def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable
             optimizer.step()
         else:
             step_uncounted(module, optimizer)
-    return {key: value / max(weight, 1) for key, value in sums.items()}
+    return _global_means(module, sums, weight)
+
+
+def _global_means(module: LightningModule, sums: dict[str, float], weight: float) -> dict[str, float]:
+    """``{stat: sum / weight}`` over every rank (one all-reduce of the sums and weights; every rank runs the same
+    units, so the keys agree): the logged training statistics are the global batch's, whatever the device count."""
+    keys = sorted(sums)
+    _, world = world_of(module)
+    if world > 1:
+        packed = torch.tensor([weight, *(sums[k] for k in keys)], dtype=torch.float64, device=module.device)
+        packed = module.trainer.strategy.reduce(packed, reduce_op="sum").cpu()
+        weight, sums = float(packed[0]), {k: float(v) for k, v in zip(keys, packed[1:], strict=True)}
+    return {key: sums[key] / max(weight, 1) for key in keys}
