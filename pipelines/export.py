@@ -12,6 +12,8 @@ Examples::
     # genrl's shapes DiT (the quickstart): a transformer folder that generate.py and ModelSpec load
     python pipelines/export.py --ckpt runs/quickstart/checkpoints/last.ckpt --out exports/quickstart
     python pipelines/generate.py --model exports/quickstart --prompts shapes:heldout --limit 16
+    # an FSDP2 run's checkpoint is a folder of shards (one per rank): the same command, on one process
+    python pipelines/export.py --ckpt runs/wan_fsdp2/checkpoints/last.ckpt --mode full --out exports/wan_fsdp2
     # a checkpoint moved from another machine: the base folder it was trained from, as it is here
     python pipelines/export.py --ckpt last.ckpt --pretrained /models/Wan2.1-T2V-1.3B-Diffusers --out exports/wan
 
@@ -48,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Export a genrl checkpoint as a diffusers folder (full or LoRA).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", "--model", dest="model", required=True,
-                   help="a genrl fit .ckpt (or any folder generate.py takes, to re-save it)")
+                   help="a genrl fit .ckpt file or distributed-checkpoint folder (FSDP2), or any folder "
+                        "generate.py takes, to re-save it")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
     p.add_argument("--mode", choices=["full", "lora"], default=None,
                    help="full weights (LoRA merged) or the LoRA adapter only (default: lora for LoRA runs, else full)")

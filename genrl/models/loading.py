@@ -8,7 +8,9 @@
   ``WanPipeline`` -> wan, ``StableDiffusion3Pipeline`` -> sd3, ``FluxPipeline`` -> flux, ``SanaPipeline`` ->
   sana) -> ``family_class(family).from_pretrained`` at the requested sample size (family default when None,
   see :data:`FAMILY_DEFAULTS`);
-* a **``genrl fit`` checkpoint** (any file, normally ``*.ckpt``): the generator named by its hyper-parameters
+* a **``genrl fit`` checkpoint** (any file, normally ``*.ckpt``, or the folder of a distributed checkpoint that
+  an FSDP2 run writes: ``meta.pt`` + torch DCP shards, read on one process without a process group by
+  :func:`read_distributed_checkpoint`): the generator named by its hyper-parameters
   (``generator``: a :class:`~genrl.models.families.GeneratorSpec`; otherwise ``transformer``: genrl's DiT),
   the LoRA adapter of the run when it had one, then the trained ``generator.transformer.*`` weights (the EMA
   shadow over them when ``use_ema`` and the run had an EMA callback).
@@ -37,7 +39,8 @@ from genrl.models.text_encoder import TextEncoder
 
 __all__ = ["load_generator", "check_sample_size", "size_multiples",
            "PIPELINE_FAMILIES", "FAMILY_DEFAULTS", "family_of_pipeline", "has_lora",
-           "checkpoint_kind", "CAUSAL_SCHEDULE_FILE", "EXPORT_INFO_FILE"]
+           "checkpoint_kind", "is_distributed_checkpoint", "read_distributed_checkpoint", "CAUSAL_SCHEDULE_FILE",
+           "EXPORT_INFO_FILE"]
 
 #: file next to an exported causal student's config.json: its ChunkSchedule (chunk layout, few-step list), so
 #: ``load_generator`` / ``pipelines/generate.py`` sample it chunk by chunk without extra flags (written by
@@ -75,7 +78,8 @@ _PREFIX = "generator.transformer."
 _EXPECTED = (
     "expected one of: a genrl DiT folder (config.json with _class_name VideoDiT + *.safetensors, e.g. "
     "assets/shapes-dit), a diffusers pipeline folder (model_index.json + component folders; "
-    f"{', '.join(PIPELINE_FAMILIES)}), or a `genrl fit` checkpoint file (*.ckpt)"
+    f"{', '.join(PIPELINE_FAMILIES)}), or a `genrl fit` checkpoint (a *.ckpt file, or the folder of an FSDP2 run's "
+    "distributed checkpoint: meta.pt + .metadata + shard files)"
 )
 
 
@@ -132,7 +136,7 @@ def size_multiples(model: str | Path) -> dict[str, Any] | None:
     path = _resolve(model)
     if not path.exists():
         raise FileNotFoundError(f"no model at {str(model)!r}; {_EXPECTED}")
-    if path.is_file():
+    if path.is_file() or is_distributed_checkpoint(path):
         return None
     config = _json(path / "config.json")
     if config.get("_class_name") == "VideoDiT":
@@ -202,10 +206,51 @@ def _as_dataclass(value, cls):
     raise TypeError(f"cannot read a {cls.__name__} from a {type(value).__name__}")
 
 
+def is_distributed_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is the folder of a distributed checkpoint written by Lightning's model-parallel strategies
+    (genrl's FSDP2): ``meta.pt`` (everything but the weights and optimizer states) and torch DCP's ``.metadata``."""
+    path = Path(path)
+    return path.is_dir() and (path / "meta.pt").is_file() and (path / ".metadata").is_file()
+
+
+def read_distributed_checkpoint(path: str | Path) -> dict:
+    """A distributed (sharded) checkpoint folder as the dict a single-file Lightning checkpoint holds, on one
+    process, without a process group: ``meta.pt``'s entries plus ``state_dict`` with every parameter and buffer as
+    a full CPU tensor (torch DCP reassembles the shards of any number of ranks). The optimizer states are not
+    read (an export does not need them; resuming reads them through the strategy).
+
+    Args:
+        path: the checkpoint folder (``runs/.../last.ckpt`` of an FSDP2 run; a symbolic link to it is fine).
+    Returns:
+        the checkpoint dict (``state_dict``: ``{key: tensor}``, the keys of the LightningModule's state dict).
+    Raises:
+        ValueError: ``path`` is not a distributed checkpoint folder (names what is missing).
+    """
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    if not is_distributed_checkpoint(path):
+        raise ValueError(f"{str(path)!r} is not a distributed checkpoint folder (needs meta.pt and .metadata); "
+                         f"{_EXPECTED}")
+    reader = FileSystemReader(str(path))
+    tensors = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith("state_dict.") and isinstance(meta, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        load(tensors, storage_reader=reader, no_dist=True)
+    ckpt = torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+    ckpt["state_dict"] = {k.removeprefix("state_dict."): v for k, v in tensors.items()}
+    return ckpt
+
+
 def _read_checkpoint(path: Path) -> dict:
-    """torch.load a Lightning checkpoint; clear errors for files that are not one."""
+    """torch.load a Lightning checkpoint (or read a distributed checkpoint folder); clear errors for files that are
+    not one."""
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = read_distributed_checkpoint(path) if is_distributed_checkpoint(path) else \
+            torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any failure means "not a checkpoint we can read"
         raise ValueError(
             f"{str(path)!r} is not a readable PyTorch checkpoint ({type(e).__name__}: {str(e)[:200]}); {_EXPECTED}"
@@ -381,7 +426,7 @@ def load_generator(
     path = _resolve(model)
     if not path.exists():
         raise FileNotFoundError(f"no model at {str(model)!r}; {_EXPECTED}")
-    if path.is_file():
+    if path.is_file() or is_distributed_checkpoint(path):
         ckpt = _read_checkpoint(path)
         hp = dict(ckpt.get("hyper_parameters") or {})
         if checkpoint_kind(ckpt) == "family":
