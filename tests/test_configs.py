@@ -26,7 +26,10 @@ COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/tiny/ram.yaml": "configs/ram/shapes.yaml",
             "configs/tiny/rwr.yaml": "configs/rwr/shapes.yaml",
             "configs/ram/nft_shapes.yaml": "configs/ram/shapes.yaml",
-            "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml"}
+            "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml",
+            # trainer profiles (configs/trainer/) are composed after a recipe
+            **{f"configs/trainer/{p.name}": "configs/quickstart.yaml"
+               for p in (ROOT / "configs/trainer").glob("*.yaml")}}
 
 
 def _cli(args: list[str], run: bool) -> GenRLCLI:
@@ -41,7 +44,9 @@ def test_every_config_parses(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     configs = [str(ROOT / COMPOSED[path])] if path in COMPOSED else []
     args = [a for c in [*configs, str(ROOT / path)] for a in ("--config", c)]
-    cli = _cli(args + ["--trainer.accelerator=cpu"], run=False)
+    # GPU trainer profiles build their Trainer here on 2 CPU processes (nothing starts before fit)
+    cpu = ["--trainer.accelerator=cpu"] + (["--trainer.devices=2"] if path.startswith("configs/trainer/") else [])
+    cli = _cli(args + cpu, run=False)
     assert cli.model is not None and cli.datamodule is not None
 
 
