@@ -1,0 +1,243 @@
+"""Real multi-process runs on this CPU (gloo, 2 processes, launched with torchrun as a user launches them): DDP and
+FSDP2 equal the single-process run on the same global batch; FSDP2 shards every role to about 1/N per rank, exports
+the same diffusers folder (from the EMA callback, and from the sharded checkpoint of a tiny Wan LoRA run through
+``pipelines/export.py``); a rank killed during a checkpoint write leaves the previous checkpoint published, and
+resuming from it equals the uninterrupted run; a rank whose rewards are all NaN does not hang the run. The same for
+BranchGRPO, RAM and DMD is in the slow set (``pytest -m slow``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from families_util import tiny_pipeline_fixture
+from safetensors.torch import load_file
+
+from genrl.testing.distributed import launch, read_metrics
+
+wan_folder = tiny_pipeline_fixture("wan")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = {"one": [], "ddp": ["--config", str(ROOT / "configs/trainer/cpu_ddp2.yaml")],
+            "fsdp2": ["--config", str(ROOT / "configs/trainer/cpu_fsdp2.yaml")]}
+RECIPES = {
+    "grpo": ["configs/quickstart.yaml", "configs/tiny/grpo.yaml"],
+    "branch_grpo": ["configs/branch_grpo/shapes.yaml"],
+    "ram": ["configs/ram/shapes.yaml", "configs/tiny/ram.yaml"],
+    "dmd": ["configs/dmd/shapes.yaml", "configs/tiny/dmd.yaml"],
+}
+EXTRA = {  # a reward with signal on a random tiny policy (colorfulness) and tiny trees for BranchGRPO
+    "branch_grpo": ["--model.init_args.rollout.num_steps=4", "--model.init_args.tree.split_steps=[0,2]",
+                    "--model.init_args.rollout.micro_batch_size=8",
+                    "--model.init_args.rewards=[{name: shapes}, {name: colorfulness}]",
+                    "--model.init_args.optimizer.init_args.lr=0.003"],
+    "ram": ["--model.init_args.rewards=[{name: shapes}, {name: colorfulness}]"],
+}
+#: parameters after 3 optimizer steps (lr 1e-3 to 1e-2, Adam) agree to this between 1 and 2 processes: the
+#: gradients differ only in float32 summation order (a mean over 2 ranks of local means vs one mean)
+PARAM_ATOL = 2e-5
+
+
+def _callbacks(tmp: Path, ema: bool, every: int = 2, top_k: int = -1) -> Path:
+    cbs = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": "runs/ck", "every_n_train_steps": every, "save_last": True, "save_top_k": top_k}},
+           {"class_path": "genrl.callbacks.DiffusersExport", "init_args": {"dirpath": "runs/export"}},
+           {"class_path": "genrl.testing.distributed.RunRecorder", "init_args": {"dirpath": "rec"}}]
+    if ema:
+        cbs.insert(0, {"class_path": "genrl.callbacks.EMA", "init_args": {"decay": 0.5, "include": "generator."}})
+    path = tmp / f"callbacks_ema{int(ema)}_{every}_{top_k}.yaml"
+    path.write_text(json.dumps({"trainer": {"callbacks": cbs}}))
+    return path
+
+
+def _args(method: str, strategy: str, tmp: Path, policy: str, encoder: str, steps: int, ema: bool = True,
+          extra: list[str] = (), **callbacks) -> list[str]:
+    args = [a for c in RECIPES[method] for a in ("--config", str(ROOT / c))] + PROFILES[strategy]
+    args += ["--config", str(_callbacks(tmp, ema, **callbacks)), "--trainer.enable_progress_bar=false",
+             "--trainer.accelerator=cpu", "--trainer.val_check_interval=100", f"--trainer.max_steps={steps}",
+             f"--model.init_args.generator.pretrained={policy}", "--model.init_args.generator.components={}",
+             *([f"--model.init_args.generator.text_encoder={encoder}"] if encoder else []), *EXTRA.get(method, [])]
+    if method == "dmd":
+        args.append(f"--model.init_args.teacher.pretrained={policy}")
+    return args + list(extra)
+
+
+def run(method: str, strategy: str, root: Path, policy: str, encoder: str, steps: int = 3, name: str | None = None,
+        **kw) -> Path:
+    """``genrl fit`` of ``method``'s tiny recipe on 1 process (``one``) or 2 (``ddp`` / ``fsdp2``) in a fresh
+    folder; returns the folder (``rec/`` holds what :class:`RunRecorder` wrote)."""
+    folder = root / (name or f"{method}_{strategy}")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    launch(_args(method, strategy, root, policy, encoder, steps, **kw), 1 if strategy == "one" else 2, folder)
+    return folder
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
+
+
+def _params(folder: Path) -> dict:
+    return torch.load(folder / "rec/params.pt")
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory, tiny_policy, tiny_text_encoder):
+    root = tmp_path_factory.mktemp("dist")
+    return {s: run("grpo", s, root, tiny_policy, tiny_text_encoder) for s in PROFILES} | {"root": root}
+
+
+def test_grpo_ddp_and_fsdp2_equal_one_process(grpo_runs):
+    one = _params(grpo_runs["one"])
+    for strategy in ("ddp", "fsdp2"):
+        assert _max_diff(_params(grpo_runs[strategy]), one) < PARAM_ATOL, strategy
+    # DDP replicas stay bitwise identical
+    r0, r1 = (torch.load(grpo_runs["ddp"] / f"rec/params_rank{r}.pt") for r in (0, 1))
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    # the same global batch: every iteration's rewards, group statistics and losses agree (the logged statistics
+    # are the global batch's on any number of processes)
+    keys = ("reward/total", "advantage/reward_mean", "advantage/reward_std", "advantage/group_std_mean",
+            "train/adv_abs_mean", "train/loss", "train/ratio_mean")
+    ref = read_metrics(grpo_runs["one"] / "rec")
+    assert [r["iteration"] for r in ref] == [1, 2, 3]
+    for strategy in ("ddp", "fsdp2"):
+        for rank in (0, 1):
+            rows = read_metrics(grpo_runs[strategy] / "rec", rank)
+            assert len(rows) == 3
+            for a, b in zip(ref, rows, strict=True):
+                for k in keys:
+                    assert b[k] == pytest.approx(a[k], abs=1e-6), (strategy, rank, a["iteration"], k)
+
+
+def test_fsdp2_shards_every_role_to_half_per_rank(grpo_runs):
+    for rank in (0, 1):
+        numel = json.loads((grpo_runs["fsdp2"] / f"rec/numel_rank{rank}.json").read_text())
+        local, total = numel["generator"]
+        assert abs(local - total / 2) <= 0.01 * total, (rank, local, total)
+    one = json.loads((grpo_runs["one"] / "rec/numel_rank0.json").read_text())
+    assert one["generator"][0] == one["generator"][1]
+
+
+def test_fsdp2_export_equals_single_process_export(grpo_runs):
+    # EMA weights (sharded on 2 ranks, gathered for the export) and the diffusers folder layout
+    one = load_file(grpo_runs["one"] / "runs/export/diffusion_pytorch_model.safetensors")
+    two = load_file(grpo_runs["fsdp2"] / "runs/export/diffusion_pytorch_model.safetensors")
+    assert _max_diff(one, two) < PARAM_ATOL
+    raw = {k.removeprefix("generator."): v for k, v in _params(grpo_runs["one"]).items()}
+    assert _max_diff(one, raw) > 10 * PARAM_ATOL, "the export should hold the EMA, not the raw weights"
+    info = [json.loads((grpo_runs[s] / "runs/export/genrl_export.json").read_text()) for s in ("one", "fsdp2")]
+    assert info[0] == info[1] and info[0]["ema"] is True
+    assert (grpo_runs["fsdp2"] / "runs/ck/last.ckpt").is_dir()  # a distributed checkpoint: a folder
+
+
+def test_fsdp2_rank_killed_during_a_checkpoint_write_resumes_equal_to_uninterrupted(grpo_runs, tiny_policy,
+                                                                                    tiny_text_encoder):
+    # rank 1 is SIGKILLed while the third checkpoint (step 3's last.ckpt) is being written: the name must still
+    # point at step 2's complete checkpoint, and resuming from it must end where the uninterrupted run ended
+    root = grpo_runs["root"]
+    kill = root / "kill_profile.yaml"
+    kill.write_text(json.dumps({"trainer": {"strategy": {
+        "class_path": "genrl.testing.distributed.KillDuringCheckpoint",
+        "init_args": {"process_group_backend": "gloo", "rank": 1, "save": 3}}}}))
+    folder = root / "grpo_fsdp2_killed"
+    folder.mkdir()
+    cb = {"every": 1, "top_k": 0}
+    killed = launch(_args("grpo", "fsdp2", root, tiny_policy, tiny_text_encoder, 4, extra=["--config", str(kill)],
+                          **cb), 2, folder, check=False, timeout=300)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stdout + killed.stderr
+    last = folder / "runs/ck/last.ckpt"
+    assert last.is_symlink() and torch.load(last / "meta.pt", weights_only=False)["global_step"] == 2
+    assert len(list(last.parent.glob(".last.ckpt.*"))) == 2  # the published step 2 and the unpublished step 3
+    launch(_args("grpo", "fsdp2", root, tiny_policy, tiny_text_encoder, 3, extra=["--ckpt_path=last"], **cb), 2,
+           folder)
+    assert _max_diff(_params(folder), _params(grpo_runs["fsdp2"])) == 0.0
+    assert torch.load(last / "meta.pt", weights_only=False)["global_step"] == 3
+    last_row = read_metrics(folder / "rec")[-1]
+    assert last_row["reward/total"] == read_metrics(grpo_runs["fsdp2"] / "rec")[2]["reward/total"]
+    assert [p.name for p in last.parent.glob(".last.ckpt.*")] == [os.readlink(last)]  # the half-written one is gone
+
+
+def test_fsdp2_wan_lora_checkpoint_exports_a_pipeline_that_samples_like_one_process(wan_folder, tmp_path):
+    # a LoRA GRPO run of the tiny Wan on 1 and on 2 FSDP2 processes; pipelines/export.py reads the sharded
+    # last.ckpt folder on one process (no process group) and writes a WanPipeline folder with the LoRA merged
+    import importlib.util
+
+    from diffusers import WanPipeline
+
+    wan = tmp_path / "tiny_wan.yaml"
+    wan.write_text(json.dumps({"model": {"init_args": {
+        "generator": {"family": "wan", "text_encoder": None, "height": 16, "width": 16, "num_frames": 5,
+                      "max_sequence_length": 16},
+        "latent_shape": None, "lora": {"rank": 4, "alpha": 8, "init_lora_weights": "gaussian"},
+        "rollout": {"cfg_scale": 1.0}}}}))
+    spec = importlib.util.spec_from_file_location("genrl_export_script", ROOT / "pipelines/export.py")
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    videos = {}
+    for strategy in ("one", "fsdp2"):
+        folder = run("grpo", strategy, tmp_path, str(wan_folder), None, steps=2, ema=False,
+                     extra=["--config", str(wan)])
+        ckpt = folder / "runs/ck/last.ckpt"
+        assert ckpt.is_file() if strategy == "one" else (ckpt / ".metadata").is_file()  # a file / a shard folder
+        out = export.main(["--ckpt", str(ckpt), "--mode", "full", "--out", str(folder / "exported")])
+        assert out["lora"] and out["kind"] == "wan"
+        pipe = WanPipeline.from_pretrained(str(folder / "exported"), local_files_only=True)
+        videos[strategy] = pipe("a red circle", height=16, width=16, num_frames=5, num_inference_steps=3,
+                                guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="pt",
+                                max_sequence_length=16).frames
+    base = WanPipeline.from_pretrained(str(wan_folder), local_files_only=True)(
+        "a red circle", height=16, width=16, num_frames=5, num_inference_steps=3, guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(0), output_type="pt", max_sequence_length=16).frames
+    assert float((videos["fsdp2"] - videos["one"]).abs().max()) < 1e-4
+    assert float((videos["one"] - base).abs().max()) > 1e-3, "the export should hold the trained weights"
+
+
+def test_a_rank_with_only_nan_rewards_completes(tmp_path, tiny_policy, tiny_text_encoder):
+    folder = run("grpo", "ddp", tmp_path, tiny_policy, tiny_text_encoder, steps=2, ema=False,
+                 extra=["--model.init_args.rewards=[{name: test_nan_on_rank1}]"])
+    for rank in (0, 1):
+        rows = read_metrics(folder / "rec", rank)
+        assert [r["iteration"] for r in rows] == [1, 2]
+        assert all(r["reward/invalid_fraction"] == 0.5 for r in rows)
+    assert _max_diff(*(torch.load(folder / f"rec/params_rank{r}.pt") for r in (0, 1))) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["branch_grpo", "ram", "dmd"])
+def test_method_ddp_and_fsdp2_equal_one_process(method, tmp_path, tiny_policy, tiny_text_encoder):
+    one = _params(run(method, "one", tmp_path, tiny_policy, tiny_text_encoder))
+    for strategy in ("ddp", "fsdp2"):
+        assert _max_diff(_params(run(method, strategy, tmp_path, tiny_policy, tiny_text_encoder)), one) < PARAM_ATOL
+
+
+def test_publish_checkpoint_switches_the_name_atomically_and_cleans_up(tmp_path):
+    from genrl.strategies.fsdp2 import publish_checkpoint, remove_published
+
+    def folder(nonce: int, text: str, name: str = "last.ckpt") -> Path:
+        f = tmp_path / f".{name}.{nonce}"
+        f.mkdir()
+        (f / "meta.pt").write_text(text)
+        return f
+
+    name = tmp_path / "last.ckpt"
+    name.mkdir()  # a checkpoint folder written without the strategy: moved aside, then deleted
+    (name / "meta.pt").write_text("plain")
+    publish_checkpoint(folder(1, "one"), name)
+    assert name.is_symlink() and os.readlink(name) == ".last.ckpt.1" and (name / "meta.pt").read_text() == "one"
+    half = folder(2, "half")  # a save killed before publishing: the name still reads the previous checkpoint
+    assert (name / "meta.pt").read_text() == "one"
+    publish_checkpoint(folder(3, "three"), name)
+    assert (name / "meta.pt").read_text() == "three" and not half.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".last.ckpt.3", "last.ckpt"]
+    other = tmp_path / "last-v1.ckpt"  # another name's folders are not touched
+    publish_checkpoint(folder(4, "four", other.name), other)
+    assert (name / "meta.pt").read_text() == "three" and (other / "meta.pt").read_text() == "four"
+    remove_published(name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".last-v1.ckpt.4", "last-v1.ckpt"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        publish_checkpoint(tmp_path / ".last.ckpt.9", name)
