@@ -198,6 +198,9 @@ def test_datamodule_epochs_shuffle_and_resume(pairs_file):
     assert loader.state_dict() == {"batches_consumed": 3}
     val = dm.val_batches()
     assert [len(b["prompts"]) for b in val] == [2, 2, 1] and val[0]["index"].tolist() == [-1, -2]
+    halves = [dm.make_train_loader(r, 2).dataset for r in (0, 1)]  # batch_size is global: 2 ranks split it
+    for b in range(3):
+        assert torch.cat([h.batch(b)["position"] for h in halves]).tolist() == batches[b]["position"].tolist()
 
 
 # ---------------------------------------------------------------------------------------------- the loss

@@ -217,6 +217,13 @@ def test_stream_batches_are_pure_functions_of_their_number():
     # two ranks split the stream without overlap
     r1 = ShapesStream(dm.world, 4, seed=5, rank=1, world_size=2)
     assert r1.batch(0)["index"].tolist() == [4, 5, 6, 7] and r1.batch(1)["index"].tolist() == [12, 13, 14, 15]
+    # the data module's batch_size is global: 2 ranks take halves of the batches one rank takes
+    one = ShapesDataModule(batch_size=4, seed=5).make_train_loader(0, 1).dataset
+    halves = [ShapesDataModule(batch_size=4, seed=5).make_train_loader(r, 2).dataset for r in (0, 1)]
+    for b in range(3):
+        assert sum((h.batch(b)["index"].tolist() for h in halves), []) == one.batch(b)["index"].tolist()
+    with pytest.raises(ValueError, match="batch_size 5 is the global batch.*use 4 or 6"):
+        ShapesDataModule(batch_size=5).make_train_loader(0, 2)
 
 
 def test_val_dataloader_is_fixed_heldout():

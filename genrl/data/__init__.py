@@ -3,7 +3,7 @@
 from genrl.data.ode_pairs import ODEPairs, ODEPairsDataModule, load_ode_pairs, save_ode_pairs
 from genrl.data.prompts import PromptDataModule, PromptRecord, load_prompts
 from genrl.data.shapes import ShapeSpec, ShapesWorldConfig
-from genrl.data.shapes_datamodule import ShapesDataModule
+from genrl.data.shapes_datamodule import ShapesDataModule, data_parallel_of, local_batch_size
 from genrl.data.teacher_videos import (
     CallableTeacher,
     GeneratorTeacher,
@@ -20,6 +20,8 @@ __all__ = [
     "ShapeSpec",
     "ShapesDataModule",
     "ShapesWorldConfig",
+    "data_parallel_of",
+    "local_batch_size",
     "VideoFolderDataModule",
     "VideoFolderDataset",
     "VideoInfo",

@@ -15,7 +15,8 @@ memory until a batch touches them)::
 
 ``*latent`` is the generator's native per-sample layout: [T, C, H, W] for genrl's DiT, [C, T, H, W] for Wan.
 
-Training stream (:class:`ODEPairsStream`): global batch ``b`` of ``G = batch_size * world_size`` slots holds the
+Training stream (:class:`ODEPairsStream`): global batch ``b`` of ``G`` slots (the data module's ``batch_size``; each
+of the ``world_size`` ranks takes ``B = G / world_size``) holds the
 slots ``s = b * G + j``; slot ``s`` is trajectory ``perm_e[s mod N]`` of epoch ``e = s // N`` (a permutation
 seeded by ``(seed, e)``; the identity without ``shuffle``), so epochs continue across batch boundaries and every
 epoch visits every trajectory once. Rank ``r`` takes the contiguous slice ``[r * B, (r + 1) * B)`` of every
@@ -48,7 +49,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from genrl.data.prompts import load_prompts, val_prompt_batches
 from genrl.data.shapes import ShapesWorldConfig, as_world, sample_seed
-from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
+from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader, local_batch_size
 from genrl.data.video_io import atomic_write
 from genrl.models.causal import CausalConfig
 from genrl.noise import sample_generator
@@ -303,7 +304,7 @@ class ODEPairsDataModule(ResumableStreamDataModule):
     Args:
         path: the ODE-pairs file (``pipelines/ode_pairs.py --out``); read lazily (at the first loader or
             ``setup``), so building the DataModule never touches it.
-        batch_size: trajectories per rank and training batch.
+        batch_size: trajectories per training batch over all devices (each of W ranks takes ``batch_size / W``).
         seed: permutation seed of the training stream.
         shuffle: permute the trajectories each epoch (False: file order, cycled).
         val: validation prompt source (anything :func:`genrl.data.prompts.load_prompts` takes; default the
@@ -372,7 +373,8 @@ class ODEPairsDataModule(ResumableStreamDataModule):
                           track_delivery: bool = False) -> ODEPairsTrainLoader:
         """A stateful train loader for ``rank`` of ``world_size`` starting at local batch ``start``."""
         h = self.hparams
-        stream = ODEPairsStream(self.pairs, h.batch_size, h.seed, h.shuffle, rank, world_size)
+        stream = ODEPairsStream(self.pairs, local_batch_size(h.batch_size, world_size), h.seed, h.shuffle, rank,
+                                world_size)
         loader = ODEPairsTrainLoader(stream, num_workers=0, track_delivery=track_delivery)
         loader.load_state_dict({"batches_consumed": start})
         return loader

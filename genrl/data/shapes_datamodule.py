@@ -48,9 +48,42 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from genrl.data.shapes import ShapesWorldConfig, as_world, sample
 
-__all__ = ["ShapesDataModule", "ShapesStream", "ShapesTrainLoader", "make_batch", "collate_samples"]
+__all__ = ["ShapesDataModule", "ShapesStream", "ShapesTrainLoader", "collate_samples", "data_parallel_of",
+           "local_batch_size", "make_batch"]
 
 _SPLITS = ("train", "heldout", "all")
+
+
+def data_parallel_of(trainer) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) of ``trainer``: which slice of every global batch this process takes,
+    out of how many. Read from the strategy's ``distributed_sampler_kwargs`` (``{"rank", "num_replicas"}``, what
+    Lightning gives a ``DistributedSampler``): the global rank and world size under DDP; under a strategy with a
+    model-parallel dimension (genrl's FSDP2 with ``context_parallel: c``) the data-parallel coordinate, so the ``c``
+    ranks of one group take the same slice. (0, 1) without a trainer; the global rank and world size when the
+    strategy does not say (a single device)."""
+    if trainer is None:
+        return 0, 1
+    try:
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+    except RuntimeError:  # a model-parallel strategy before its processes are up: no mesh yet
+        kwargs = None
+    if kwargs and "rank" in kwargs and "num_replicas" in kwargs:
+        return int(kwargs["rank"]), int(kwargs["num_replicas"])
+    return int(trainer.global_rank), int(trainer.world_size)
+
+
+def local_batch_size(batch_size: int, world_size: int, name: str = "batch_size") -> int:
+    """Each rank's share ``batch_size / world_size`` of a global batch (the data modules' ``batch_size`` counts
+    samples over all devices, so a recipe trains on the same batches on 1 or N devices).
+
+    Raises:
+        ValueError: ``world_size`` does not divide ``batch_size`` (names both and the nearest valid values).
+    """
+    if batch_size % world_size:
+        lower = batch_size - batch_size % world_size
+        raise ValueError(f"{name} {batch_size} is the global batch and must be divisible by the {world_size} "
+                         f"data-parallel ranks; use {lower or world_size} or {lower + world_size}")
+    return batch_size // world_size
 
 
 def collate_samples(samples: list[tuple[torch.Tensor, str, int]]) -> dict[str, Any]:
@@ -216,7 +249,7 @@ class ResumableStreamDataModule(LightningDataModule, metaclass=abc.ABCMeta):
     def train_dataloader(self) -> ShapesTrainLoader:
         """The stateful infinite training loader (this rank's share of every global batch)."""
         trainer = self.trainer
-        rank, size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        rank, size = data_parallel_of(trainer)
         track = False
         if trainer is not None and trainer.datamodule is self and trainer.lightning_module is not None:
             step = trainer.lightning_module.training_step
@@ -256,7 +289,8 @@ class ShapesDataModule(ResumableStreamDataModule):
     Args:
         world: the shapes world (default ``ShapesWorldConfig()``; a dict of its fields is accepted too, as
             stored in checkpoints: ``hparams["world"]`` is a plain dict).
-        batch_size: samples per batch (train and val).
+        batch_size: samples per batch (train and val); for training the global batch over all devices (each of W
+            ranks takes ``batch_size / W`` of it).
         seed: data seed (training sample i is ``sample(world, seed, i, split)``).
         num_workers: DataLoader workers for training (0 = main process).
         val_size: number of validation samples: ``sample(world, seed, -(i + 1), "heldout")`` for
@@ -295,9 +329,15 @@ class ShapesDataModule(ResumableStreamDataModule):
     def make_train_loader(
         self, rank: int = 0, world_size: int = 1, start: int = 0, track_delivery: bool = False
     ) -> ShapesTrainLoader:
-        """The shapes stream's loader for ``rank`` of ``world_size`` starting at local batch ``start``."""
+        """The shapes stream's loader for ``rank`` of ``world_size`` starting at local batch ``start``: each rank
+        takes ``batch_size / world_size`` consecutive samples of every global batch.
+
+        Raises:
+            ValueError: ``world_size`` does not divide ``batch_size``.
+        """
         h = self.hparams
-        stream = ShapesStream(self.world, h.batch_size, h.seed, h.split, rank, world_size)
+        local = local_batch_size(h.batch_size, world_size)
+        stream = ShapesStream(self.world, local, h.seed, h.split, rank, world_size)
         loader = ShapesTrainLoader(stream, num_workers=h.num_workers, track_delivery=track_delivery)
         loader.load_state_dict({"batches_consumed": start})
         return loader
