@@ -13,6 +13,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from genrl.data import data_parallel_of
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.lora import LoraSpec
 from genrl.rewards import RewardManager
@@ -80,9 +81,11 @@ def trainer_of(module: LightningModule):
 
 
 def world_of(module: LightningModule) -> tuple[int, int]:
-    """(global rank, world size) of ``module``'s trainer; (0, 1) without one."""
-    trainer = trainer_of(module)
-    return (0, 1) if trainer is None else (int(trainer.global_rank), int(trainer.world_size))
+    """(data-parallel rank, data-parallel size) of ``module``'s trainer (:func:`genrl.data.data_parallel_of`: the
+    global rank and world size, except under context parallelism, where the ranks of one group count once);
+    (0, 1) without a trainer. The slice of every global batch a rank holds, the gathers and the global means
+    follow it."""
+    return data_parallel_of(trainer_of(module))
 
 
 class Scorer(nn.Module):
@@ -134,12 +137,18 @@ class Scorer(nn.Module):
 
 
 def gather_batch(module: LightningModule, t: torch.Tensor) -> torch.Tensor:
-    """``t`` [n, ...] of this rank -> the global batch [world * n, ...] on the CPU (rank order), via Lightning's
-    ``all_gather``; unchanged on one process. Group statistics (advantages) are computed on the gathered batch."""
+    """``t`` [n, ...] of this rank -> the global batch [world * n, ...] on the CPU (data-parallel rank order), via
+    Lightning's ``all_gather``; unchanged on one slice. Group statistics (advantages) are computed on the gathered
+    batch. Under context parallelism the ``c`` ranks of a group hold the same rows (global rank = data-parallel
+    rank x c + position in the group): one copy of each is kept."""
     _, world = world_of(module)
     if world == 1:
         return t
-    return module.all_gather(t.to(module.device)).reshape(-1, *t.shape[1:]).cpu()
+    gathered = module.all_gather(t.to(module.device))  # [processes, n, ...]
+    copies = gathered.shape[0] // world
+    if copies > 1:
+        gathered = gathered.reshape(world, copies, *t.shape)[:, 0]
+    return gathered.reshape(-1, *t.shape[1:]).cpu()
 
 
 def local_mini_batch(module: LightningModule, mini_batch_size: int | None, local: int) -> int:

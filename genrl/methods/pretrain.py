@@ -23,6 +23,7 @@ from genrl.flow import TimestepSampler, add_noise, flow_matching_loss
 from genrl.methods.common import Scorer, build_policy, linear_warmup, log_validation_rewards, policy_spec, trainer_of
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
+from genrl.models.roles import Roles
 from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
 from genrl.rollout.ode import sample_ode
 
@@ -85,13 +86,14 @@ class FlowMatchingPretrain(LightningModule):
         self.timestep_sampler = timestep_sampler or TimestepSampler()
         self.generator: DiTGenerator | None = None
         self.scorer = Scorer(val_rewards) if val_rewards else None  # validation rewards, as every method
+        self.roles = Roles(self)  # one trainable network, visible to the strategies (DDP, FSDP2)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
         """Build the transformer and load the text encoder (heavy work happens here, not in __init__)."""
         if self.generator is not None:
             return
-        self.generator = build_policy(self.generator_spec)
+        self.generator = self.roles.trainable("generator", build_policy(self.generator_spec))
         if self.scorer is not None:
             self.scorer.build(trainer_of(self))
 
