@@ -127,6 +127,9 @@ class VideoDiscriminator(ModelMixin, ConfigMixin):
 
     _supports_gradient_checkpointing = True
     _no_split_modules = ["_Block"]
+    #: R1 / R2 differentiate through the input gradient (a double backward): a sharding strategy must keep the
+    #: gathered weights for the whole step (genrl.models.sharding.shard_module reads this)
+    needs_double_backward = True
 
     @register_to_config
     def __init__(

@@ -6,13 +6,21 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from genrl.models.roles import LaggedCopy
-from genrl.models.sharding import ShardingConfig, is_sharded, shard_module
+from genrl.models.sharding import (
+    ShardingConfig,
+    enable_context_parallel,
+    is_sharded,
+    reshard,
+    shard_module,
+    supports_context_parallel,
+)
 
 __all__ = ["FSDP2Strategy", "publish_checkpoint", "remove_published"]
 
@@ -32,52 +40,102 @@ class FSDP2Strategy(ModelParallelStrategy):
     A rank killed during the write leaves the name on the previous, complete checkpoint (``--ckpt_path last``
     resumes it); the half-written folder is removed by the next save of that name.
 
-    It is Lightning's ``ModelParallelStrategy`` with a data-parallel mesh of every process (tensor parallel size 1);
-    the method code is the same as on one device (no ``fully_shard`` call in any method). Use it from a trainer
-    profile (``configs/trainer/fsdp2.yaml``) or ``--trainer.strategy=genrl.strategies.FSDP2Strategy``.
+    Context (sequence) parallelism: with ``context_parallel: c`` the processes form groups of ``c`` that hold the
+    same samples and split each sample's tokens between them in every transformer that has a diffusers
+    context-parallel plan (Wan): :func:`genrl.models.sharding.enable_context_parallel`, diffusers' Ulysses
+    attention. The data-parallel size is then ``world / c``: the global batch (prompts x group size) is split over
+    ``world / c`` slices (Lightning's ``distributed_sampler_kwargs``, which genrl's data modules and methods read),
+    the rewards are gathered once per slice, and the gradients of a context-parallel network are summed over its
+    group and averaged over the slices (the FSDP2 divide factor is ``world / c``). Networks without a plan (genrl's
+    DiT, a discriminator) run whole on every rank of a group. Parameters are sharded over all ``world`` ranks.
+
+    It is Lightning's ``ModelParallelStrategy`` with a mesh of ``(world / c, c)`` processes (Lightning's
+    ``data_parallel`` and ``tensor_parallel`` dimensions; the second one is used for context parallelism, genrl
+    does no tensor parallelism); the method code is the same as on one device (no ``fully_shard`` call in any
+    method). Use it from a trainer profile (``configs/trainer/fsdp2.yaml``) or
+    ``--trainer.strategy=genrl.strategies.FSDP2Strategy``.
 
     Args:
         param_dtype / reduce_dtype / reshard_after_forward / offload_frozen: see
             :class:`genrl.models.sharding.ShardingConfig` (the usual GPU setting: ``param_dtype: bf16``,
             ``reduce_dtype: fp32``).
+        context_parallel: ranks per context-parallel group (1: none). Must divide the world size and the attention
+            head count of the context-parallel networks.
         save_distributed_checkpoint: one shard file per rank (True, scales to any model) or one full file
             assembled on rank 0 (False).
         process_group_backend: ``"nccl"`` on GPUs (default there), ``"gloo"`` on CPUs (default there).
         timeout: collective timeout (a ``datetime.timedelta``).
     Raises:
         TypeError: the module has no ``roles`` (not a genrl method): shard it in its own ``configure_model``.
+        ValueError: ``context_parallel`` below 1 or not dividing the world size; ``context_parallel > 1`` and no
+            network of the method has a context-parallel plan.
     """
 
     def __init__(self, param_dtype: Literal["bf16", "fp16", "fp32"] | None = None,
                  reduce_dtype: Literal["bf16", "fp16", "fp32"] | None = None, reshard_after_forward: bool = True,
-                 offload_frozen: bool = False, save_distributed_checkpoint: bool = True,
+                 offload_frozen: bool = False, context_parallel: int = 1, save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, **kwargs) -> None:
         super().__init__(data_parallel_size=1, tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, **kwargs)
+        if context_parallel < 1:
+            raise ValueError(f"context_parallel {context_parallel}: use 1 (none) or a group size that divides the "
+                             f"number of processes")
         self.sharding = ShardingConfig(param_dtype, reduce_dtype, reshard_after_forward, offload_frozen)
+        self.context_parallel = int(context_parallel)
 
     def setup_environment(self) -> None:
-        # every process is one data-parallel rank: a mesh of (world size, 1)
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        world = self.num_nodes * self.num_processes
+        if world % self.context_parallel:
+            raise ValueError(f"context_parallel {self.context_parallel} does not divide the {world} processes "
+                             f"(num_nodes x devices); use a divisor of {world}")
+        # a (data-parallel, context-parallel) mesh; Lightning names the second dimension tensor_parallel
+        self._data_parallel_size = world // self.context_parallel
+        self._tensor_parallel_size = self.context_parallel
         super().setup_environment()
 
     def setup(self, trainer) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
         module = self.lightning_module
         roles = getattr(module, "roles", None)
         if roles is None:
             raise TypeError(f"FSDP2Strategy shards the roles of a genrl method; {type(module).__name__} has no "
                             f"`roles`. Use lightning's ModelParallelStrategy and call fully_shard in configure_model")
-        mesh = self.device_mesh["data_parallel"]
-        for net in roles.shardable().values():
-            if not is_sharded(net):  # fit then validate on one module: shard once
-                shard_module(net, mesh, self.sharding)
+        nets = {name: net for name, net in roles.shardable().items() if not is_sharded(net)}  # shard once
+        world, cp = self.world_size, self.context_parallel
+        shard_mesh, divide = self.device_mesh["data_parallel"], {}
+        if cp > 1:
+            kind = self.root_device.type
+            shard_mesh = init_device_mesh(kind, (world,), mesh_dim_names=("shard",))
+            cp_mesh = init_device_mesh(kind, (world // cp, 1, cp), mesh_dim_names=("dp", "ring", "ulysses"))
+            for name, net in nets.items():
+                if supports_context_parallel(net):
+                    enable_context_parallel(net, cp_mesh["ring", "ulysses"])
+                    divide[name] = world // cp  # the group's gradient is the sum of its ranks' parts
+            if nets and not divide:
+                raise ValueError(f"context_parallel {cp}: none of the networks of {type(module).__name__} "
+                                 f"({', '.join(type(n).__name__ for n in nets.values())}) has a diffusers "
+                                 f"context-parallel plan; use a family that has one (Wan) or context_parallel: 1")
+        for name, net in nets.items():
+            shard_module(net, shard_mesh, self.sharding, gradient_divide_factor=divide.get(name))
         policy = getattr(module, "generator", None)
         for name, role in roles.table.items():
             lagged = roles.get(name)
             if role.kind == "lagged" and isinstance(lagged, LaggedCopy) and policy is not None:
                 lagged.shard_like(policy.transformer)
         super().setup(trainer)
+        self._kept_gathered = [n for n in roles.shardable().values() if getattr(n, "needs_double_backward", False)]
+        for optimizer in self.optimizers:  # a kept-gathered network re-gathers after each update of its shards
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            nets = [n for n in self._kept_gathered if any(id(p) in ids for p in n.parameters())]
+            if nets:
+                optimizer.register_step_pre_hook(_resharding(nets))
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        for net in getattr(self, "_kept_gathered", ()):
+            reshard(net)  # a checkpoint holds the shards
+        return super().lightning_module_state_dict()
 
     # ------------------------------------------------------------------ atomic distributed checkpoints
     @property
@@ -101,6 +159,15 @@ class FSDP2Strategy(ModelParallelStrategy):
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
             remove_published(Path(filepath))
+
+
+def _resharding(nets: list) -> Callable[..., None]:
+    """An optimizer pre-step hook that frees the gathered weights of ``nets`` (see ``needs_double_backward`` in
+    :func:`genrl.models.sharding.shard_module`)."""
+    def hook(optimizer, args, kwargs) -> None:
+        for net in nets:
+            reshard(net)
+    return hook
 
 
 def publish_checkpoint(folder: Path, path: Path) -> None:
