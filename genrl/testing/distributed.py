@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from genrl.models.sharding import full_state_dict, local_numel
+from genrl.models.sharding import full_state_dict, local_numel, repeated_blocks
 from genrl.rewards import RewardModel, register_reward
 from genrl.strategies import FSDP2Strategy
 
@@ -41,8 +41,10 @@ class RunRecorder(Callback):
 
     Writes, under ``dirpath``: ``metrics_rank<r>.jsonl`` (after every training batch: the iteration and every logged
     scalar), ``numel_rank<r>.json`` (per role: parameter elements held by the rank and whole, at the start), and at
-    the end of ``fit`` ``params.pt`` (rank 0: every checkpointed role's full weights, gathered under FSDP2) and
-    ``params_rank<r>.pt`` under DDP-like strategies (each rank's own copy, to check the replicas agree).
+    the end of ``fit`` ``tokens_rank<r>.json`` (per role: the most tokens its first repeated block returned in one
+    call; halved under 2-way context parallelism), ``params.pt`` (rank 0: every checkpointed role's full weights,
+    gathered under FSDP2) and ``params_rank<r>.pt`` under DDP-like strategies (each rank's own copy, to check the
+    replicas agree).
     """
 
     def __init__(self, dirpath: str) -> None:
@@ -56,6 +58,18 @@ class RunRecorder(Callback):
         self.dirpath.mkdir(parents=True, exist_ok=True)
         numel = {name: local_numel(net) for name, net in pl_module.roles.shardable().items()}
         (self.dirpath / f"numel_rank{trainer.global_rank}.json").write_text(json.dumps(numel))
+        self._tokens: dict[str, int] = {}
+        for name, net in pl_module.roles.shardable().items():
+            blocks = repeated_blocks(net)
+            if blocks:  # the sequence length the first block returns (split under context parallelism)
+                blocks[0].register_forward_hook(self._count(name))
+
+    def _count(self, name: str):
+        def hook(module, args, output):
+            x = output[0] if isinstance(output, (tuple, list)) else output
+            if torch.is_tensor(x) and x.dim() >= 2:
+                self._tokens[name] = max(self._tokens.get(name, 0), int(x.shape[1]))
+        return hook
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         row = {"iteration": int(getattr(pl_module, "iteration", trainer.global_step)),
@@ -65,6 +79,7 @@ class RunRecorder(Callback):
             f.write(json.dumps(row) + "\n")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        (self.dirpath / f"tokens_rank{trainer.global_rank}.json").write_text(json.dumps(self._tokens))
         full = {f"{name}.{k}": v for name, net in self._nets(pl_module).items()
                 for k, v in full_state_dict(net).items()}
         if trainer.is_global_zero:
@@ -104,18 +119,25 @@ def read_metrics(dirpath: str | os.PathLike, rank: int = 0) -> list[dict]:
 
 
 def launch(args: list[str], nproc: int, cwd: str | os.PathLike, timeout: float = 600,
-           env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+           env: dict[str, str] | None = None, check: bool = True, script: str | None = None
+           ) -> subprocess.CompletedProcess:
     """``genrl fit <args>`` in ``cwd``: one plain process for ``nproc`` 1, else ``torchrun --standalone
-    --nproc_per_node <nproc> -m genrl fit <args>`` (gloo on CPUs); one thread per process, offline. Raises
-    RuntimeError with the output's tail when the run fails and ``check`` is True."""
+    --nproc_per_node <nproc> -m genrl fit <args>`` (gloo on CPUs); one thread per process, offline. With ``script``
+    (a Python file) that file runs instead of ``-m genrl fit``. A start that fails because the rendezvous port was
+    taken meanwhile (another test's processes) is retried once. Raises RuntimeError with the output's tail when the
+    run fails and ``check`` is True."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    target = [script] if script is not None else ["-m", "genrl", "fit"]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "genrl", "fit", *args]
+        cmd = [sys.executable, *target, *args]
     else:
         torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "genrl", "fit", *args]
-    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={nproc}", *target, *args]
+    for _ in range(2):
+        out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        if out.returncode == 0 or "address already in use" not in (out.stdout + out.stderr).lower():
+            break
     if check and out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{(out.stdout + out.stderr)[-6000:]}")
     return out
