@@ -18,6 +18,9 @@ What it measures (one JSON line on stdout, also appended to --out when given):
   ``grpo_peak_gib``: the GRPO steps alone, with the weights and trajectory still held);
 - ``decode_s``: VAE decode of the rollout.
 
+``--fsdp2`` shards the transformer with FSDP2 first (one process: what the FSDP2 profile does on one GPU), so the
+step and peak include FSDP2's gathers and its sharded LoRA optimizer state.
+
 ``measure(parse_args([...]))`` runs the same measurement from Python (``benchmarks/gpu_suite.py`` does).
 
 The text encoders are real architectures cut to one layer (their output widths are the real ones), so the
@@ -97,8 +100,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=int, default=None, help="override the sample height (pixels)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None)
+    p.add_argument("--fsdp2", action="store_true",
+                   help="shard the transformer with FSDP2 (genrl.models.sharding) in a one-process group, as "
+                        "genrl.strategies.FSDP2Strategy does on one GPU")
     p.add_argument("--out", default=None, help="append the JSON line to this file")
     return p
+
+
+def _shard_alone(transformer: torch.nn.Module, device: str) -> None:
+    """FSDP2-shard ``transformer`` over a one-process group (started here when none is: nccl on CUDA, gloo on the
+    CPU), block by block, as the strategy does."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from genrl.models.sharding import shard_module
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    shard_module(transformer, init_device_mesh(device, (1,), mesh_dim_names=("shard",)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -138,6 +165,8 @@ def measure(args: argparse.Namespace) -> dict:
                                         args.tiny else 16, **size))
     LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank).add_to(gen)
     gen.to(device)
+    if args.fsdp2:
+        _shard_alone(gen.transformer, device)
     build_s = time.perf_counter() - t0
     n_params = sum(q.numel() for q in gen.transformer.parameters() if not q.requires_grad)
     prompts = ["a red circle moving left"] * args.batch
@@ -201,6 +230,7 @@ def measure(args: argparse.Namespace) -> dict:
         "sampler_overhead": round(rollout_s / (args.steps * raw) - 1, 4),
         "decode_s": round(decode_s, 3), "trained_steps": len(traj.sde_steps),
         "grpo_step_s": round(times[-1], 3), "grad_ckpt": not args.no_grad_ckpt, "lora_rank": args.lora_rank,
+        "fsdp2": bool(args.fsdp2),
         "peak_gib": None if device != "cuda" else max(rollout_peak, _peak_gib(device)),
         "rollout_peak_gib": rollout_peak, "grpo_peak_gib": _peak_gib(device),
         "torch": torch.__version__,

@@ -414,6 +414,19 @@ def section_wan_grpo(ctx: SuiteContext, out: dict) -> None:
             f"GRPO step {out['grpo_step_s']} s, peak {out['peak_gib']} GiB")
 
 
+def section_wan_grpo_fsdp2(ctx: SuiteContext, out: dict) -> None:
+    """Section 2b: the Wan2.1-1.3B LoRA GRPO step with the transformer sharded by FSDP2 (one process, 4-step
+    rollout: the step and its peak are what is measured)."""
+    import torch.distributed as dist
+
+    try:
+        out.update(family_grpo_step.measure(_family_args(ctx, ["--family", "wan", "--fsdp2", "--steps", "4"])))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    ctx.log(f"  wan FSDP2 GRPO step {out['grpo_step_s']} s, peak {out['peak_gib']} GiB")
+
+
 def section_sd3_grpo(ctx: SuiteContext, out: dict) -> None:
     """Section 3: ``family_grpo_step`` for SD3.5-M (512 px, batch 8, CFG 4.5)."""
     out.update(family_grpo_step.measure(_family_args(ctx, ["--family", "sd3", "--batch", "8", "--cfg-scale", "4.5"])))
@@ -686,6 +699,8 @@ SECTIONS = [
             need_s=40, limit_s=150),
     Section("wan_grpo", "2. Wan2.1-1.3B rollout + LoRA r32 GRPO step, 480x832x81, CFG 5", section_wan_grpo,
             need_s=90, limit_s=240),
+    Section("wan_grpo_fsdp2", "2b. Wan2.1-1.3B LoRA r32 GRPO step under FSDP2 (1 GPU), 480x832x81, grad ckpt",
+            section_wan_grpo_fsdp2, need_s=40, limit_s=150),
     Section("sd3_grpo", "3. SD3.5-M rollout + LoRA r32 GRPO step, 512 px, batch 8, CFG 4.5", section_sd3_grpo,
             need_s=40, limit_s=150),
     Section("causal_stream", "4. causal Wan2.1-1.3B streaming, 480x832x81, 4 steps/chunk", section_causal_stream,
@@ -795,6 +810,7 @@ def _row_noise(r: dict, tiny: bool) -> tuple[str, str]:
 ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {
     "wan_forward": _row_wan_forward,
     "wan_grpo": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
+    "wan_grpo_fsdp2": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
     "sd3_grpo": lambda r, tiny: _row_family(r, tiny, None),
     "causal_stream": _row_causal,
     "fp8_compile": _row_fp8,

@@ -19,7 +19,7 @@ if str(ROOT / "benchmarks") not in sys.path:
 
 import gpu_suite  # noqa: E402
 
-SECTION_NAMES = ["wan_forward", "wan_grpo", "sd3_grpo", "causal_stream", "fp8_compile", "noise"]
+SECTION_NAMES = ["wan_forward", "wan_grpo", "wan_grpo_fsdp2", "sd3_grpo", "causal_stream", "fp8_compile", "noise"]
 
 
 def _table_rows(md: str) -> list[str]:
@@ -112,6 +112,7 @@ def _fake_report(tiny: bool, overhead: float, wan_peak: float, fps: float) -> di
     sections = {
         "wan_forward": dict(forward_ms=611.2, fwd_bwd_ckpt_ms=2650.0, fwd_bwd_ckpt_peak_gib=12.31),
         "wan_grpo": family,
+        "wan_grpo_fsdp2": dict(family, steps=4, rollout_s=5.2, grpo_step_s=12.5, peak_gib=wan_peak + 1, fsdp2=True),
         "sd3_grpo": dict(family, batch=8, cfg_scale=4.5),
         "causal_stream": dict(denoise_fps=45.0, e2e_fps_decode_at_end=fps, first_chunk_latency_s=0.31,
                               stream_decode={"e2e_fps": fps - 1}, peak_memory_gib={"with_decode": 19.5}),
@@ -142,15 +143,18 @@ def test_markdown_one_row_per_section_with_anchors_and_targets():
     assert "`python benchmarks/gpu_suite.py --out x.json`" in md and "NVIDIA H200" in md
     assert "forward 611.2 ms" in rows[0] and "2,650.0 ms" in rows[0] and "613 ms; 2,653 ms, 12.3 GiB" in rows[0]
     assert "(overhead +2.1%)" in rows[1] and "overhead <= 5% (met); peak < 40 GiB (met)" in rows[1]
-    assert "(batch 16)" in rows[2] and "peak < 40" not in rows[2]
-    assert ">= 17 frames/s end to end (met)" in rows[3] and "decode at end 22.4 frames/s" in rows[3]
-    assert "bf16 770.1 / fp8 1,380.4 TFLOP/s" in rows[4] and "769 / 1,387 TFLOP/s" in rows[4]
-    assert "compiled fp8 (torchao): skipped: torchao not installed" in rows[4] and "x1.35" in rows[4]
-    assert "wan2.1_480x832x81 generator 3.20 ms; wan2.1_480x832x81 philox 25.00 ms" in rows[5]
+    assert "rollout 4 steps" in rows[2] and "GRPO step (2 trained steps) 12.50 s" in rows[2]
+    assert "peak 32.0 GiB" in rows[2] and "peak < 40 GiB (met)" in rows[2]
+    assert "(batch 16)" in rows[3] and "peak < 40" not in rows[3]
+    assert ">= 17 frames/s end to end (met)" in rows[4] and "decode at end 22.4 frames/s" in rows[4]
+    assert "bf16 770.1 / fp8 1,380.4 TFLOP/s" in rows[5] and "769 / 1,387 TFLOP/s" in rows[5]
+    assert "compiled fp8 (torchao): skipped: torchao not installed" in rows[5] and "x1.35" in rows[5]
+    assert "wan2.1_480x832x81 generator 3.20 ms; wan2.1_480x832x81 philox 25.00 ms" in rows[6]
 
     missed = _table_rows(gpu_suite.markdown(_fake_report(tiny=False, overhead=0.08, wan_peak=44.0, fps=12.0)))
     assert "overhead <= 5% (missed); peak < 40 GiB (missed)" in missed[1]
-    assert "(missed)" in missed[3]
+    assert "peak < 40 GiB (missed)" in missed[2]
+    assert "(missed)" in missed[4]
     # a tiny run compares nothing with the targets
     tiny = gpu_suite.markdown(_fake_report(tiny=True, overhead=0.08, wan_peak=44.0, fps=12.0))
     assert "(missed)" not in tiny and "(met)" not in tiny and "--tiny: CPU smoke run" in tiny
@@ -169,8 +173,8 @@ def test_markdown_survives_errors_skips_and_partial_results():
     assert "forward 600.0 ms; fwd+bwd (grad ckpt) n/a" in rows[0]
     assert "error: OutOfMemoryError: CUDA out of memory \\| x" in rows[0]  # a | in a message is escaped
     assert "skipped: budget (20 s left" in rows[1] and "overhead <= 5%" in rows[1]
-    assert "| running (10.0 s) |" in rows[3]
-    assert "fp8 n/a TFLOP/s" in rows[4] and "compiled bf16: n/a" in rows[4]
+    assert "| running (10.0 s) |" in rows[4]
+    assert "fp8 n/a TFLOP/s" in rows[5] and "compiled bf16: n/a" in rows[5]
 
 
 def test_main_with_no_budget_skips_every_section_and_writes_both_files(tmp_path):
@@ -288,3 +292,13 @@ def test_tiny_suite_end_to_end(tmp_path):
     rows = _table_rows(md.read_text())
     assert len(rows) == len(SECTION_NAMES) and all(r.rstrip().endswith("s) |") and "| ok (" in r for r in rows)
     assert "| section |" in run.stdout and "[gpu_suite" in run.stdout
+
+
+def test_wan_grpo_fsdp2_section_runs_on_the_tiny_wan_and_leaves_no_process_group():
+    import torch.distributed as dist
+
+    out: dict = {}
+    gpu_suite.section_wan_grpo_fsdp2(_context(None, 600, []), out)
+    assert out["fsdp2"] is True and out["family"] == "wan" and out["grad_ckpt"] is True
+    assert out["trained_steps"] == 2 and out["grpo_step_s"] > 0
+    assert not dist.is_initialized()
