@@ -203,12 +203,43 @@ class GenRLCLI(LightningCLI):
             trainer.callbacks[trainer.callbacks.index(bar)] = StepProgressBar()
         return trainer
 
+    def before_fit(self) -> None:
+        """Refuse to resume a distributed (FSDP2) checkpoint folder on a strategy that cannot read it, naming the
+        profile that can, instead of Lightning's ``IsADirectoryError``."""
+        problem = _resume_problem(self.trainer, self._get(self.config, "ckpt_path"))
+        if problem:
+            raise SystemExit(f"genrl fit: {problem}")
+
     def before_instantiate_classes(self) -> None:
         """Refuse an accelerator this machine does not have (e.g. ``gpu`` without CUDA) before the model is built,
         naming the fix ``--trainer.accelerator=cpu``."""
         problem = _accelerator_problem(self._get(self.config, "trainer", default={}).get("accelerator"))
         if problem:
             self._parser(self.subcommand).error(problem)
+
+
+def _resume_problem(trainer: Trainer, ckpt_path: str | None) -> str | None:
+    """Why ``trainer`` cannot resume ``ckpt_path`` (``"last"``: the newest ``last*.ckpt`` in the folders of the run's
+    checkpoint callbacks, as Lightning resolves it), or None: a distributed checkpoint folder needs a model-parallel
+    strategy (genrl's FSDP2)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from genrl.models.loading import is_distributed_checkpoint
+
+    if not ckpt_path or isinstance(trainer.strategy, ModelParallelStrategy):
+        return None
+    if ckpt_path == "last":
+        found = [p for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)
+                 for p in Path(cb.dirpath).glob("last*.ckpt") if p.exists()]
+        path = max(found, key=lambda p: p.stat().st_mtime) if found else None
+    else:
+        path = Path(ckpt_path)
+    if path is None or not is_distributed_checkpoint(path):
+        return None
+    return (f"{path} is a distributed checkpoint (a folder of shards written by FSDP2); resume it under the FSDP2 "
+            f"strategy, on any number of processes: add --config configs/trainer/fsdp2.yaml (GPUs) or --config "
+            f"configs/trainer/cpu_fsdp2.yaml --trainer.devices=1 (CPU); or export its weights with python "
+            f"pipelines/export.py --ckpt {path} --out <folder>")
 
 
 #: ``genrl <tool> ...`` commands that are not LightningCLI subcommands: ``{argv[1]: "module:function"}``; the

@@ -292,3 +292,22 @@ def test_progress_bar_counts_steps_of_max_steps_and_resumes_at_the_restored_step
     tqdm = GenRLCLI(args=[*args, "--trainer.max_steps=1",
                           "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], run=False)
     assert type(tqdm.trainer.progress_bar_callback) is TQDMProgressBar
+
+
+def test_resuming_a_distributed_checkpoint_on_one_device_names_the_fsdp2_profile(tiny_policy, tiny_text_encoder,
+                                                                                   tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "runs/quickstart/checkpoints"  # the quickstart's ModelCheckpoint folder
+    shards = folder / ".last.ckpt.1"
+    shards.mkdir(parents=True)
+    (shards / "meta.pt").write_bytes(b"")
+    (shards / ".metadata").write_bytes(b"")
+    (folder / "last.ckpt").symlink_to(shards.name, target_is_directory=True)
+    for ckpt in ("last", str(folder / "last.ckpt")):
+        with pytest.raises(SystemExit, match="distributed checkpoint .*cpu_fsdp2.yaml --trainer.devices=1"):
+            GenRLCLI(args=_args(tiny_policy, tiny_text_encoder, "--trainer.max_steps=1", "--ckpt_path", ckpt))
+    (folder / "last.ckpt").unlink()  # a plain file is Lightning's business (here: not a checkpoint -> its error)
+    (folder / "last.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(Exception) as other:
+        GenRLCLI(args=_args(tiny_policy, tiny_text_encoder, "--trainer.max_steps=1", "--ckpt_path", "last"))
+    assert "distributed checkpoint" not in str(other.value)
