@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
                     ema=ema, dtype=args.dtype, sampling=gen.load_info.get("sampling"))
         (tmp / "genrl_export.json").write_text(json.dumps(info, indent=2) + "\n")
         tmp.chmod(0o755)
+        for f in tmp.rglob("*"):  # safetensors writes its files 0600; an export is for others to read too
+            f.chmod(0o644 if f.is_file() else 0o755)
         if out.exists():  # --overwrite: swap, then drop the old folder
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
             old.rmdir()

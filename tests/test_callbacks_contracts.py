@@ -235,6 +235,7 @@ def test_export_writes_the_ema_weights_safetensors_and_info(tmp_path, monkeypatc
     assert json.loads((out / EXPORT_INFO_FILE).read_text()) == {
         "ema": True, "global_step": 7, "sampling": {"steps": 12, "cfg_scale": 4.5, "shift": 3.0}}
     assert json.loads((out / "config.json").read_text())["hidden_size"] == 16
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {f.name: 0o644 for f in out.iterdir()}
 
 
 def test_export_without_ema_pickle_and_causal_schedule(tmp_path, monkeypatch):

@@ -168,6 +168,7 @@ def test_export_wan_lora_and_full_match_the_trained_transformer(wan_folder, wan_
 
     result = export.main(["--ckpt", str(ckpt), "--mode", "full", "--out", str(tmp_path / "full")])
     assert result["mode"] == "full" and (tmp_path / "full" / "model_index.json").is_file()
+    assert {oct(f.stat().st_mode & 0o777) for f in (tmp_path / "full").rglob("*") if f.is_file()} == {"0o644"}
     pipe = WanPipeline.from_pretrained(str(tmp_path / "full"), local_files_only=True)
     assert not any("lora" in k or "base_layer" in k for k in pipe.transformer.state_dict())
     torch.testing.assert_close(_wan_input(pipe.transformer), expected, atol=1e-4, rtol=0)

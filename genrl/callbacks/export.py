@@ -107,3 +107,6 @@ class DiffusersExport(Callback):
         schedule = getattr(pl_module, "schedule", None)
         if schedule is not None and hasattr(schedule, "causal"):  # a causal student: how it generates
             Path(self.dirpath, CAUSAL_SCHEDULE_FILE).write_text(json.dumps(asdict(schedule), indent=2))
+        for f in Path(self.dirpath).iterdir():  # safetensors writes 0600; an export is for others to read too
+            if f.is_file():
+                f.chmod(0o644)
