@@ -261,6 +261,12 @@ def test_method_ddp_and_fsdp2_equal_one_process(method, tmp_path, tiny_policy, t
         two = _params(run(method, strategy, tmp_path, tiny_policy, tiny_text_encoder, extra=extra))
         two = {k: v for k, v in two.items() if k not in shift_free}
         assert _max_diff(two, one) < PARAM_ATOL, strategy
+    if method in ("ram", "dmd"):  # resume from the step-2 distributed checkpoint: RAM's lagged copy (the old
+        # policy, sharded like the policy) and DMD's two optimizers come back exactly
+        resumed = run(method, "fsdp2", tmp_path, tiny_policy, tiny_text_encoder, steps=2, name=f"{method}_resumed")
+        launch(_args(method, "fsdp2", tmp_path, tiny_policy, tiny_text_encoder, 3, extra=["--ckpt_path=last"]), 2,
+               resumed)
+        assert _max_diff(_params(resumed), _params(tmp_path / f"{method}_fsdp2")) == 0.0
     if method == "dmd":  # the frozen teacher's shards kept in (CPU) host memory, copied in block by block
         offload = ["--trainer.strategy.init_args.offload_frozen=true"]
         two = _params(run(method, "fsdp2", tmp_path, tiny_policy, tiny_text_encoder, extra=offload, name="dmd_offload"))
