@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> str:
         c = wan_counts(name)
         lines += [f"**{name}**: {c['params'] / 1e9:.3f}B parameters, {c['block'] / 1e6:.1f}M per block, LoRA r32 "
                   f"{c['lora'] / 1e6:.1f}M", "",
-                  "| ranks | student (full / LoRA) | critic | teacher (bf16) | gathered blocks | total full | "
-                  "total LoRA student |", "|---|---|---|---|---|---|---|"]
+                  "| ranks | student (full / LoRA) | critic | teacher (bf16) | gathered blocks | total, full student | "
+                  "total, LoRA student |", "|---|---|---|---|---|---|---|"]
         for n in args.ranks:
             full, lora = per_rank_gib(c, n, False), per_rank_gib(c, n, True)
             lines.append(f"| {n} | {full['student']:.1f} / {lora['student']:.2f} | {full['critic']:.1f} | "
