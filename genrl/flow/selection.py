@@ -1,0 +1,325 @@
+"""Candidate selection from cheap previews, and how faithful the previews are (Sol-RL rollout scaling).
+
+Sol-RL (Li, Chen, Xue et al. 2026, "FP4 Explore, BF16 Train", arXiv 2604.06916) previews a pool of N
+candidates per prompt cheaply (low-precision sampling), scores them, keeps K of them by their preview reward,
+regenerates those K in full precision and trains on them. `select_candidates` picks the K from a [G, N]
+matrix of preview rewards (G prompts, N candidates each); `spearman`, `set_overlap` and `proxy_fidelity`
+measure how well the preview rewards rank the candidates like the full-precision rewards do (log them every
+iteration: a drop means the cheap preview no longer predicts the trained samples).
+
+Tie rule shared by every function here: rewards are ordered by ONE stable ascending sort, i.e. by
+(reward, index) lexicographically. A "bottom-m" set is the first m of that order and a "top-m" set the last m,
+so among tied rewards the bottom set takes the lower indices and the top set the higher ones, and a bottom and
+a top set never share an index. Pure functions; everything is computed in float64 on the rewards' device.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "SelectionMode",
+    "SELECTION_MODES",
+    "select_candidates",
+    "spearman",
+    "set_overlap",
+    "proxy_fidelity",
+]
+
+SelectionMode = Literal["best_worst", "max_variance", "mean_deviation", "random"]
+SELECTION_MODES: tuple[str, ...] = ("best_worst", "max_variance", "mean_deviation", "random")
+
+_F64_EPS = torch.finfo(torch.float64).eps
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_k(k: int, n: int, what: str = "k") -> int:
+    """``k`` as an int in [1, n]; ValueError naming both otherwise."""
+    if isinstance(k, bool):
+        raise ValueError(f"{what} must be an integer, got {k!r}")
+    try:
+        k = operator.index(k)
+    except TypeError as e:
+        raise ValueError(f"{what} must be an integer, got {k!r}") from e
+    if not 1 <= k <= n:
+        raise ValueError(f"{what} must be in [1, N] with N = {n} candidates, got {what} = {k}")
+    return k
+
+
+def _as_rows(rewards: torch.Tensor, name: str = "rewards") -> tuple[torch.Tensor, bool]:
+    """[N] or [G, N] real tensor -> ([G, N] float64, was_1d)."""
+    if not isinstance(rewards, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(rewards).__name__}")
+    if rewards.dim() not in (1, 2):
+        raise ValueError(f"{name} must be [N] or [G, N] (G prompts, N candidates), got shape {tuple(rewards.shape)}")
+    if rewards.is_complex():
+        raise ValueError(f"{name} must be real, got dtype {rewards.dtype}")
+    r = rewards.detach().to(torch.float64)
+    return (r.unsqueeze(0), True) if rewards.dim() == 1 else (r, False)
+
+
+def _split_positions(n: int, k: int, n_top: torch.Tensor) -> torch.Tensor:
+    """Bool [G, n] mask over ascending-sorted positions: the first k - i and the last i, i = ``n_top`` [G]."""
+    pos = torch.arange(n, device=n_top.device).unsqueeze(0)
+    i = n_top.unsqueeze(1)
+    return (pos < k - i) | (pos >= n - i)
+
+
+def _gather_sorted(perm: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    """The original indices ``perm`` [G, N] at the ``mask`` [G, N] positions (k per row), ascending: [G, k]."""
+    return perm.masked_select(mask).view(perm.shape[0], k).sort(dim=1).values
+
+
+# ----------------------------------------------------------------------------------------------
+# selection
+
+
+def select_candidates(
+    rewards: torch.Tensor,
+    k: int,
+    mode: SelectionMode = "best_worst",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Indices of the K candidates (of N per prompt) to regenerate and train on, from their preview rewards.
+
+    Modes (``i`` below is the number taken from the top, the rest ``k - i`` from the bottom; top / bottom
+    sets as in the module's tie rule, one stable ascending ``torch.sort`` per row):
+
+    - ``"best_worst"`` (Sol-RL): the floor(k/2) highest and the ceil(k/2) lowest rewards (K odd: one more
+      worst, as Sol-RL's code does). Indices are unique even under tied rewards (binary rewards), which
+      two independent ``topk`` calls do not guarantee.
+    - ``"max_variance"`` (PODS, Xu et al. 2025, arXiv 2504.13818, max-variance down-sampling): among the k + 1
+      splits "top-i plus bottom-(k - i)", i = 0..k, the one whose selected rewards have the largest
+      population variance (PODS shows that the maximum over all k-subsets is attained by such a split).
+      Splits whose variances agree to float64 rounding (k^2 var within 8 eps k^3 M^2, M the largest
+      |r - median| of the row) are ties, broken by the i closest to k/2, then the smaller i; so a constant
+      row (or any all-tied case) gives the ``"best_worst"`` selection. O(N log N + k) per row: prefix sums of
+      the sorted (median-shifted) rewards and their squares from both ends.
+    - ``"mean_deviation"``: the k largest |r - mean(r)| (row mean, float64); ties by the lower index (a stable
+      descending sort on the deviation).
+    - ``"random"``: k distinct indices, uniform over k-subsets, drawn from ``generator`` (required; the
+      draws come from the generator's device: one float64 uniform per candidate, the k smallest).
+
+    Args:
+        rewards: [G, N] real preview rewards (G prompts, N candidates each), or [N] for one prompt; any
+            real dtype (bool / integer rewards are fine), compared in float64. Every value must be finite.
+        k: how many to keep per prompt, 1 <= k <= N.
+        mode: one of `SELECTION_MODES`.
+        generator: a ``torch.Generator``; required for ``"random"``, ignored by the other modes.
+
+    Returns:
+        int64 [G, k] (or [k] for 1-d rewards) indices into N, sorted ascending in each row, distinct within a
+        row, on the rewards' device.
+
+    Raises:
+        ValueError: rewards not a real [N] / [G, N] tensor; k not an integer in [1, N] (the message names k
+            and N); a NaN or +-inf reward (the message names the rows; NaN is not treated as "lowest": a
+            failed preview would then always be selected as a "worst" candidate, so replace failures with a
+            finite reward first); unknown mode (the message lists the modes); ``"random"`` without a
+            ``torch.Generator``.
+
+    Source: Li, Chen, Xue et al. 2026, Sol-RL (arXiv 2604.06916, best / worst preview selection);
+    Xu et al. 2025, PODS (arXiv 2504.13818, max-variance down-sampling).
+    """
+    if mode not in SELECTION_MODES:
+        raise ValueError(f"unknown selection mode {mode!r}; expected one of {SELECTION_MODES}")
+    r, one_d = _as_rows(rewards)
+    g, n = r.shape
+    k = _check_k(k, n)
+    finite = torch.isfinite(r).all(dim=1)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        shown = ", ".join(str(b) for b in bad[:8]) + (", ..." if len(bad) > 8 else "")
+        raise ValueError(
+            f"rewards row(s) {shown} contain NaN or infinite values ({len(bad)} of {g} rows); replace failed "
+            "previews with a finite reward (e.g. the row's minimum) before selecting"
+        )
+
+    if mode == "random":
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(
+                f"mode 'random' needs a torch.Generator (generator=torch.Generator().manual_seed(seed)), "
+                f"got {type(generator).__name__}"
+            )
+        u = torch.rand(g, n, generator=generator, dtype=torch.float64, device=generator.device)
+        idx = u.argsort(dim=1, stable=True)[:, :k].sort(dim=1).values.to(r.device)
+    elif mode == "mean_deviation":
+        dev = (r - r.mean(dim=1, keepdim=True)).abs()
+        idx = dev.sort(dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
+    else:
+        s, perm = r.sort(dim=1, stable=True)
+        if mode == "best_worst":
+            n_top = torch.full((g,), k // 2, dtype=torch.long, device=r.device)
+        else:
+            n_top = _max_variance_split(s, k)
+        idx = _gather_sorted(perm, _split_positions(n, k, n_top), k)
+    return idx[0] if one_d else idx
+
+
+def _max_variance_split(s: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row of the ascending-sorted float64 ``s`` [G, N]: the number i of top rewards ([G], int64) of PODS'
+    max-variance split "top-i + bottom-(k - i)"; ties (to rounding) -> i closest to k/2, then the smaller i."""
+    g, n = s.shape
+    # shift by an element of the row (its median): variance is shift-invariant, the sums stay small, and a
+    # constant row becomes exactly 0 (so all its splits tie exactly)
+    c = s - s[:, n // 2 : n // 2 + 1]
+    zero = c.new_zeros(g, 1)
+    # bottom[j] = sum of the j smallest, top[j] = sum of the j largest (j = 0..k), each summed from its own end
+    bot1 = torch.cat([zero, c[:, :k].cumsum(1)], dim=1)
+    bot2 = torch.cat([zero, (c[:, :k] ** 2).cumsum(1)], dim=1)
+    rev = c.flip(1)[:, :k]
+    top1 = torch.cat([zero, rev.cumsum(1)], dim=1)
+    top2 = torch.cat([zero, (rev**2).cumsum(1)], dim=1)
+    i = torch.arange(k + 1, device=s.device)
+    s1 = top1[:, i] + bot1[:, k - i]
+    s2 = top2[:, i] + bot2[:, k - i]
+    score = k * s2 - s1 * s1  # = k^2 * population variance of the split's k rewards
+    # rounding bound of the k-term sums: splits within it are ties (M = the row's largest |r - median|)
+    m = torch.maximum(-c[:, :1], c[:, -1:])
+    tol = 8 * _F64_EPS * k**3 * m * m
+    tied = score >= score.max(dim=1, keepdim=True).values - tol
+    # preference among tied splits: |2i - k| smallest, then i smallest (rank (k + 1) |2i - k| + i < 3 (k + 1)^2)
+    pref = (2 * i - k).abs() * (k + 1) + i
+    return torch.where(tied, pref, 3 * (k + 1) ** 2).argmin(dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# proxy fidelity
+
+
+def _average_ranks(x: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of the 1-d float64 ``x``, tied values sharing the average of their positions."""
+    v, perm = x.sort(stable=True)
+    _, inverse, counts = torch.unique_consecutive(v, return_inverse=True, return_counts=True)
+    end = counts.cumsum(0).to(torch.float64)  # 1-based position of each tie group's last member
+    avg = end - (counts.to(torch.float64) - 1) / 2
+    ranks = torch.empty_like(x)
+    ranks[perm] = avg[inverse]
+    return ranks
+
+
+def _check_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_complex():
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 1-d real tensor, got {shape}")
+    if a.shape != b.shape:
+        raise ValueError(f"a and b must have the same length, got {a.shape[0]} and {b.shape[0]}")
+    return a.detach().to(torch.float64), b.detach().to(torch.float64).to(a.device)
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman rank correlation of two 1-d tensors: the Pearson correlation of their average ranks.
+
+        rho = cov(R(a), R(b)) / (std R(a) std R(b)),
+
+    with tied values given the mean of the ranks they span (as ``scipy.stats.spearmanr``). Computed in
+    float64.
+
+    Args:
+        a, b: [N] real tensors (e.g. a prompt's preview and full-precision rewards); +-inf rank as
+            extremes.
+
+    Returns:
+        a float in [-1, 1]; NaN when either side is constant (including N < 2) or contains NaN (NaN
+        propagates, as scipy's default ``nan_policy``; a logging value, so no exception).
+
+    Raises:
+        ValueError: not 1-d real tensors, or lengths differ.
+
+    Source: Spearman 1904; the tie convention of ``scipy.stats.spearmanr`` (``rankdata(method="average")``).
+    """
+    x, y = _check_pair(a, b)
+    if x.numel() < 2 or bool(torch.isnan(x).any() | torch.isnan(y).any()):
+        return math.nan
+    rx, ry = _average_ranks(x), _average_ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()  # ranks are exact half-integers: a constant side gives exactly 0
+    sxx, syy = float((rx * rx).sum()), float((ry * ry).sum())
+    if sxx == 0.0 or syy == 0.0:
+        return math.nan
+    rho = float((rx * ry).sum()) / math.sqrt(sxx * syy)
+    return max(-1.0, min(1.0, rho))
+
+
+def set_overlap(a_preview: torch.Tensor, b_full: torch.Tensor, k: int) -> dict[str, float]:
+    """How many of the k best (worst) candidates by the preview are among the k best (worst) by the full reward.
+
+        top = |top_k(a) & top_k(b)| / k,   bottom = |bottom_k(a) & bottom_k(b)| / k,
+
+    with top / bottom sets by the module's tie rule (one stable ascending sort; among tied values the bottom
+    set takes the lower indices, the top set the higher ones), the same sets ``select_candidates`` uses.
+
+    Args:
+        a_preview: [N] real preview rewards.
+        b_full: [N] real full-precision rewards of the same candidates.
+        k: set size, 1 <= k <= N (k = N gives 1.0 trivially).
+
+    Returns:
+        ``{"top": float, "bottom": float}`` in [0, 1]; both NaN if either side contains NaN.
+
+    Raises:
+        ValueError: not 1-d real tensors of equal length; k not an integer in [1, N].
+    """
+    x, y = _check_pair(a_preview, b_full)
+    n = x.numel()
+    k = _check_k(k, n)
+    if bool(torch.isnan(x).any() | torch.isnan(y).any()):
+        return {"top": math.nan, "bottom": math.nan}
+    px, py = x.sort(stable=True).indices, y.sort(stable=True).indices
+
+    def shared(ix: torch.Tensor, iy: torch.Tensor) -> float:
+        member = torch.zeros(n, dtype=torch.bool, device=x.device)
+        member[ix] = True
+        return int(member[iy].sum()) / k
+
+    return {"top": shared(px[n - k :], py[n - k :]), "bottom": shared(px[:k], py[:k])}
+
+
+def proxy_fidelity(preview: torch.Tensor, full: torch.Tensor, k: int) -> dict[str, float]:
+    """Per-iteration fidelity of the preview rewards: `spearman` and `set_overlap` averaged over prompts.
+
+    Args:
+        preview: [G, N] (or [N]) preview rewards of G prompts' N candidates.
+        full: the full-precision rewards of the same candidates, same shape.
+        k: set size of the overlaps, 1 <= k <= N (e.g. the number kept per side).
+
+    Returns:
+        python floats: ``spearman`` (mean over the rows where it is defined: rows with a constant side or a
+        NaN are skipped, as they are common with binary rewards; NaN if no row is defined),
+        ``spearman_rows`` (how many rows entered that mean), ``top_overlap`` and ``bottom_overlap``
+        (means over the rows without NaN; NaN if there are none).
+
+    Raises:
+        ValueError: shapes differ or are not [N] / [G, N]; k not an integer in [1, N].
+    """
+    p, _ = _as_rows(preview, "preview")
+    f, _ = _as_rows(full, "full")
+    if p.shape != f.shape:
+        raise ValueError(f"preview {tuple(preview.shape)} and full {tuple(full.shape)} must have the same shape")
+    k = _check_k(k, p.shape[1])
+    rhos, tops, bottoms = [], [], []
+    for row_p, row_f in zip(p, f):
+        rho = spearman(row_p, row_f)
+        if not math.isnan(rho):
+            rhos.append(rho)
+        ov = set_overlap(row_p, row_f, k)
+        if not math.isnan(ov["top"]):
+            tops.append(ov["top"])
+            bottoms.append(ov["bottom"])
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else math.nan
+
+    return {
+        "spearman": mean(rhos),
+        "spearman_rows": float(len(rhos)),
+        "top_overlap": mean(tops),
+        "bottom_overlap": mean(bottoms),
+    }
