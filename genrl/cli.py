@@ -29,7 +29,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
 import genrl.methods  # noqa: F401  (registers genrl's methods for short class names)
 import genrl.strategies  # noqa: F401  (FSDP2Strategy by its short class name)
-from genrl.callbacks import InterruptCheckpoint, SamplingRecord, StepProgressBar
+from genrl.callbacks import InterruptCheckpoint, SamplingRecord, StepProgressBar, newest_last_checkpoint
 
 __all__ = ["GenRLArgumentParser", "GenRLCLI", "check_legacy_keys", "main", "suggest_keys"]
 
@@ -229,9 +229,8 @@ def _resume_problem(trainer: Trainer, ckpt_path: str | None) -> str | None:
     if not ckpt_path or isinstance(trainer.strategy, ModelParallelStrategy):
         return None
     if ckpt_path == "last":
-        found = [p for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)
-                 for p in Path(cb.dirpath).glob("last*.ckpt") if p.exists()]
-        path = max(found, key=lambda p: p.stat().st_mtime) if found else None
+        path = newest_last_checkpoint(*(cb.dirpath for cb in trainer.checkpoint_callbacks
+                                        if getattr(cb, "dirpath", None)))
     else:
         path = Path(ckpt_path)
     if path is None or not is_distributed_checkpoint(path):

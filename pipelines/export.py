@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise FileExistsError(f"{str(out)!r} exists; choose another --out or pass --overwrite to replace it")
 
     from genrl.models.generator import DiTGenerator
-    from genrl.models.loading import has_lora, load_generator
+    from genrl.models.loading import has_lora, load_generator, readable_by_all
 
     gen = load_generator(args.model, torch_dtype=args.dtype, use_ema=not args.no_ema, pretrained=args.pretrained)
     lora = has_lora(gen)
@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                     ema=ema, dtype=args.dtype, sampling=gen.load_info.get("sampling"))
         (tmp / "genrl_export.json").write_text(json.dumps(info, indent=2) + "\n")
         tmp.chmod(0o755)
-        for f in tmp.rglob("*"):  # safetensors writes its files 0600; an export is for others to read too
-            f.chmod(0o644 if f.is_file() else 0o755)
+        readable_by_all(tmp)
         if out.exists():  # --overwrite: swap, then drop the old folder
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
             old.rmdir()

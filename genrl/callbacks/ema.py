@@ -8,24 +8,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from genrl.models.sharding import full_tensor, placed_like
+
 __all__ = ["EMA", "find_ema"]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of ``t``, gathered first when it is a sharded ``DTensor`` (a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-
-
-def _placed_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``full`` (a whole tensor from a checkpoint) as float32 on ``param``'s device, sharded like ``param`` when it is
-    a ``DTensor`` (this rank keeps its slice)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        return distribute_tensor(full.to(param.device, torch.float32), param.device_mesh, param.placements)
-    return full.to(param.device, torch.float32)
 
 
 class EMA(Callback):
@@ -87,7 +72,7 @@ class EMA(Callback):
             missing = sorted(set(params) - set(self._pending["shadow"]))
             if missing:
                 raise KeyError(f"EMA state in the checkpoint lacks trained parameters {missing[:5]}...")
-            self.shadow = {n: _placed_like(self._pending["shadow"][n], params[n]) for n in params}
+            self.shadow = {n: placed_like(self._pending["shadow"][n], params[n], torch.float32) for n in params}
             self.num_updates = int(self._pending["num_updates"])
             self._pending = None
         else:
@@ -97,7 +82,7 @@ class EMA(Callback):
         """``{"shadow": {name: full float32 CPU tensor}, "num_updates": n}``. Under FSDP2 the shadow is sharded like
         the parameters and each tensor is gathered here (a collective: Lightning asks every rank for the callback
         states), so the checkpoint holds the whole average whatever the number of processes."""
-        return {"shadow": {n: _full(t) for n, t in self.shadow.items()}, "num_updates": self.num_updates}
+        return {"shadow": {n: full_tensor(t) for n, t in self.shadow.items()}, "num_updates": self.num_updates}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = state_dict

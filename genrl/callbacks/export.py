@@ -14,6 +14,7 @@ from genrl.models.loading import (  # the export / checkpoint layout load_genera
     CAUSAL_SCHEDULE_FILE,
     CHECKPOINT_SAMPLING_KEY,
     EXPORT_INFO_FILE,
+    readable_by_all,
 )
 from genrl.models.sharding import full_state_dict, is_sharded
 
@@ -107,6 +108,4 @@ class DiffusersExport(Callback):
         schedule = getattr(pl_module, "schedule", None)
         if schedule is not None and hasattr(schedule, "causal"):  # a causal student: how it generates
             Path(self.dirpath, CAUSAL_SCHEDULE_FILE).write_text(json.dumps(asdict(schedule), indent=2))
-        for f in Path(self.dirpath).iterdir():  # safetensors writes 0600; an export is for others to read too
-            if f.is_file():
-                f.chmod(0o644)
+        readable_by_all(self.dirpath)

@@ -13,7 +13,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-__all__ = ["InterruptCheckpoint", "resume_command"]
+__all__ = ["InterruptCheckpoint", "newest_last_checkpoint", "resume_command"]
 
 
 def resume_command(argv: list[str] | None = None, prog: str | None = None, ckpt: str = "last") -> str:
@@ -39,6 +39,13 @@ def resume_command(argv: list[str] | None = None, prog: str | None = None, ckpt:
             continue
         kept.append(a)
     return " ".join([prog, shlex.join([*kept, "--ckpt_path", ckpt])])
+
+
+def newest_last_checkpoint(*folders: str | Path) -> Path | None:
+    """The newest (by modification time) ``last*.ckpt`` in ``folders`` (a file, or the link to a distributed
+    checkpoint's folder): what Lightning's ``ckpt_path="last"`` resumes; None when there is none."""
+    found = [p for f in folders if Path(f).is_dir() for p in Path(f).glob("last*.ckpt") if p.exists()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 class InterruptCheckpoint(Callback):
@@ -156,12 +163,11 @@ class InterruptCheckpoint(Callback):
 
     def _earlier(self, trainer: Trainer) -> str:
         path, last_finds_it = self.checkpoint_path(trainer)
-        lasts = sorted(path.parent.glob("last*.ckpt"), key=lambda p: p.stat().st_mtime) if path.parent.is_dir() \
-            else []
-        if not lasts:
+        newest = newest_last_checkpoint(path.parent)
+        if newest is None:
             return "No earlier checkpoint exists: a rerun starts from the beginning."
-        return f"Resume from the newest earlier checkpoint ({lasts[-1]}) with:\n  " + \
-            resume_command(self.argv, ckpt="last" if last_finds_it else str(lasts[-1]))
+        return f"Resume from the newest earlier checkpoint ({newest}) with:\n  " + \
+            resume_command(self.argv, ckpt="last" if last_finds_it else str(newest))
 
     @staticmethod
     def _say(message: str) -> None:

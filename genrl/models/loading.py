@@ -39,8 +39,8 @@ from genrl.models.text_encoder import TextEncoder
 
 __all__ = ["load_generator", "check_sample_size", "size_multiples",
            "PIPELINE_FAMILIES", "FAMILY_DEFAULTS", "family_of_pipeline", "has_lora",
-           "checkpoint_kind", "is_distributed_checkpoint", "read_distributed_checkpoint", "CAUSAL_SCHEDULE_FILE",
-           "EXPORT_INFO_FILE"]
+           "checkpoint_kind", "is_distributed_checkpoint", "read_distributed_checkpoint", "readable_by_all",
+           "CAUSAL_SCHEDULE_FILE", "EXPORT_INFO_FILE"]
 
 #: file next to an exported causal student's config.json: its ChunkSchedule (chunk layout, few-step list), so
 #: ``load_generator`` / ``pipelines/generate.py`` sample it chunk by chunk without extra flags (written by
@@ -204,6 +204,13 @@ def _as_dataclass(value, cls):
     if hasattr(value, "__dict__"):  # a jsonargparse Namespace
         return cls(**{k: v for k, v in vars(value).items() if not k.startswith("_")})
     raise TypeError(f"cannot read a {cls.__name__} from a {type(value).__name__}")
+
+
+def readable_by_all(folder: str | Path) -> None:
+    """Make an export folder's contents readable by everyone: files 0644, subfolders 0755 (safetensors writes its
+    files 0600; an export is meant for other users and jobs too). The folder itself is left as it is."""
+    for f in Path(folder).rglob("*"):
+        f.chmod(0o644 if f.is_file() else 0o755)
 
 
 def is_distributed_checkpoint(path: str | Path) -> bool:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from genrl.models.compile import compile_like
+from genrl.models.sharding import placed_like
 
 __all__ = ["FrozenRoles", "LaggedCopy", "Role", "RoleKind", "Roles", "RolloutCopy", "has_lora", "ramped_decay",
            "swapped_transformer"]
@@ -163,13 +164,13 @@ class LaggedCopy(nn.Module):
         Returns:
             the number of tensors re-placed.
         """
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import DTensor
 
         n = 0
         for name, (p, s) in zip(self.names, self._pairs(module), strict=True):
             if isinstance(p, DTensor) and not isinstance(s, DTensor):
-                placed = distribute_tensor(s.to(p.device), p.device_mesh, p.placements)
-                setattr(self, _buffer_name(name), placed)  # an existing buffer name: stays a registered buffer
+                # an existing buffer name: stays a registered buffer
+                setattr(self, _buffer_name(name), placed_like(s, p))
                 n += 1
         return n
 

@@ -21,8 +21,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["ShardingConfig", "enable_context_parallel", "full_state_dict", "is_sharded", "local_numel",
-           "repeated_blocks", "reshard", "shard_module", "supports_context_parallel"]
+__all__ = ["ShardingConfig", "enable_context_parallel", "full_state_dict", "full_tensor", "is_sharded", "local_numel",
+           "placed_like", "repeated_blocks", "reshard", "shard_module", "supports_context_parallel"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -140,6 +140,24 @@ def shard_module(module: nn.Module, mesh, config: ShardingConfig | None = None,
             unit.set_gradient_divide_factor(float(gradient_divide_factor))
             unit.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no PREMUL_SUM)
     return len(blocks)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy of ``t``, gathered whole first when it is a sharded ``DTensor`` (then a collective: every
+    rank of its mesh must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
+def placed_like(full: torch.Tensor, param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``full`` (a whole tensor) on ``param``'s device (cast to ``dtype`` when given) and, when ``param`` is a
+    ``DTensor``, distributed with its mesh and placements (this rank keeps its slice): the inverse of
+    :func:`full_tensor`."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(param.device, dtype) if dtype is not None else full.to(param.device)
+    return distribute_tensor(full, param.device_mesh, param.placements) if isinstance(param, DTensor) else full
 
 
 def reshard(module: nn.Module) -> None:

@@ -128,9 +128,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._kept_gathered = [n for n in roles.shardable().values() if getattr(n, "needs_double_backward", False)]
         for optimizer in self.optimizers:  # a kept-gathered network re-gathers after each update of its shards
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            nets = [n for n in self._kept_gathered if any(id(p) in ids for p in n.parameters())]
-            if nets:
-                optimizer.register_step_pre_hook(_resharding(nets))
+            stepped = [n for n in self._kept_gathered if any(id(p) in ids for p in n.parameters())]
+            if stepped:
+                optimizer.register_step_pre_hook(_resharding(stepped))
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         for net in getattr(self, "_kept_gathered", ()):
