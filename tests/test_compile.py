@@ -119,13 +119,13 @@ def test_reference_rollout_and_lagged_copies_of_a_compiled_policy(tiny_policy, t
     roles = Roles(owner)
     roles.trainable("generator", compiled)
     roles.reference_copy(compiled)
-    roles.rollout_copy("fast", compiled, dtype=torch.float64)
+    roles.rollout_copy("fast", compiled, "fp64")
     assert compiled_options(roles.get("reference")) == compiled_options(compiled.transformer)
     assert compiled_options(roles.get("fast").module) == compiled_options(compiled.transformer)
     eager_owner = torch.nn.Module()
     eager_roles = Roles(eager_owner)
     eager_roles.trainable("generator", eager)
-    eager_roles.rollout_copy("fast", eager, dtype=torch.float64)
+    eager_roles.rollout_copy("fast", eager, "fp64")
     assert not is_compiled(eager_roles.get("fast").module)  # an eager policy gets eager copies
 
     # train the live policy a little so the reference (initial weights) and the policy differ

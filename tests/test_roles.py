@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from genrl.models.lora import LoraSpec
+from genrl.models.precision import fake_fp8
+from genrl.models.quantized import RolloutPrecision
 from genrl.models.roles import FrozenRoles, LaggedCopy, Roles, RolloutCopy
 
 
@@ -176,7 +178,7 @@ def test_rollout_copy_is_a_synced_low_precision_policy_never_checkpointed():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     owner = _owner_with(net)
-    ro = owner.roles.rollout_copy("rollout", owner.generator, dtype=torch.bfloat16)
+    ro = owner.roles.rollout_copy("rollout", owner.generator, "bf16")
     assert owner.roles.table["rollout"].kind == "rollout" and not owner.roles.table["rollout"].checkpointed
     assert not any(k.startswith("frozen.") for k in owner.state_dict())  # a function of the policy: not stored
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in ro.parameters())
@@ -199,20 +201,14 @@ def test_rollout_copy_is_a_synced_low_precision_policy_never_checkpointed():
     with torch.no_grad():
         assert torch.allclose(y.float(), net(x), atol=0.1) and not torch.equal(y.float(), net(x))
     assert "rollout" in owner.roles.shardable() and owner.roles.shardable()["rollout"] is ro.module
-    # with a quantizer the copy is rebuilt from the live weights on every sync
-    calls = []
-
-    def fake_quantize(m: nn.Module) -> nn.Module:
-        calls.append(1)
-        with torch.no_grad():
-            m[0].weight.copy_(m[0].weight.round())
-        return m
-
-    q = owner.roles.rollout_copy("rollout_q", owner.generator, quantize=fake_quantize)
+    # a simulated format: the copy holds the fake-quantized weights, refreshed in place on every sync
+    q = owner.roles.rollout_copy("rollout_q", owner.generator, RolloutPrecision("fake_fp8", skip=[]))
+    w = q.module[0].weight
     with torch.no_grad():
         net[0].weight.add_(2.2)
-    owner.roles.sync("rollout_q")
-    assert len(calls) == 2 and torch.equal(q.module[0].weight, net[0].weight.round())
+    stats = owner.roles.sync("rollout_q")
+    assert q.module[0].weight is w and torch.equal(w, fake_fp8(net[0].weight.detach()))
+    assert stats["max_weight_change"] > 2.0
     with pytest.raises(KeyError, match="another module"):
         RolloutCopy(nn.Linear(2, 2)).sync(nn.Sequential(nn.Linear(2, 2)))
 
@@ -248,14 +244,14 @@ class _Affine(nn.Module):
 
 
 def test_rollout_copy_forwards_arguments_and_stays_frozen_after_a_quantized_sync():
-    """A rollout copy computes module(*args, **kwargs) and holds no trainable tensor, also when rebuilt by sync."""
+    """A rollout copy computes module(*args, **kwargs) and holds no trainable tensor, also after a sync."""
     torch.manual_seed(0)
     live = _Affine()
-    ro = RolloutCopy(live, quantize=lambda m: m)
+    ro = RolloutCopy(live, "fp64")
     assert not any(p.requires_grad for p in ro.parameters())
-    x = torch.randn(4, 2)
+    x = torch.randn(4, 2, dtype=torch.float64)
     with torch.no_grad():
-        assert torch.equal(ro(x, shift=2.5), live(x) + 2.5)
+        assert torch.allclose(ro(x, shift=2.5), live.double()(x) + 2.5)
     ro.sync(live)
     assert not any(p.requires_grad for p in ro.parameters())
 

@@ -14,8 +14,8 @@ lagged        no (EMA)    yes           the old policy theta_old of RAM / Diffus
                                         of the policy's *trainable* tensors only (the LoRA adapter under
                                         LoRA, never a second full transformer)
 rollout       no (sync)   no            a low-precision copy of the policy that rolls out (Sol-RL's FP8 /
-                                        NVFP4 candidates): cast or quantized from the live weights by
-                                        :meth:`Roles.sync` after each update (and so after a resume)
+                                        NVFP4 candidates): cast or quantized from the live weights, in
+                                        place, by :meth:`Roles.sync` after each update (so after a resume)
 ============  ==========  ============  ===============================================================
 
 A planner (TempAct's LLM that writes the per-segment prompts) is a ``frozen`` role when it is a local network (a
@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from genrl.models.compile import compile_like
+from genrl.models.quantized import CAST_FORMATS, RolloutPrecision, build_rollout_module, refresh_rollout_module
 from genrl.models.sharding import placed_like
 
 __all__ = ["FrozenRoles", "LaggedCopy", "Role", "RoleKind", "Roles", "RolloutCopy", "has_lora", "ramped_decay",
@@ -211,51 +212,45 @@ class LaggedCopy(nn.Module):
 
 class RolloutCopy(nn.Module):
     """A copy of the policy's transformer in another precision, used only to roll out (Sol-RL's low-precision
-    candidate rollouts; the policy itself is trained and regenerates in its own precision).
+    candidate previews; the policy itself is trained and regenerates in its own precision).
 
     The copy is held by :class:`FrozenRoles` (no gradients, eval mode, never checkpointed): it is a function of the
-    live weights, refreshed by :meth:`sync` after every optimizer update and so identical after a resume.
+    live weights, refreshed by :meth:`sync` after every optimizer update and so identical after a resume. It is built
+    by :func:`genrl.models.quantized.build_rollout_module` (LoRA merged, the layer policy applied) and refreshed in
+    place by :func:`genrl.models.quantized.refresh_rollout_module`: parameters are mutated, never rebound, so a
+    compiled copy is never traced again after a sync.
 
     Args:
-        module: the live transformer (LoRA adapter included: the copy carries it and runs it in ``dtype``).
-        dtype: floating dtype of the copy's floating tensors (e.g. ``torch.bfloat16``); None keeps the live dtype.
-        quantize: optional ``module -> module`` applied after the cast (e.g. a torchao weight-only FP8 /
-            NVFP4 quantization); with it :meth:`sync` rebuilds the copy from the live weights instead of copying in
-            place.
+        module: the live transformer (LoRA adapters included: they are merged into the copy's weights).
+        precision: a :class:`~genrl.models.quantized.RolloutPrecision`, or its format name (``"bf16"``,
+            ``"fake_nvfp4"``, ...); None: a copy in the live module's dtype.
 
     When the live transformer is compiled (``generator.compile``), the copy is compiled with the same options
-    (:func:`genrl.models.compile.compile_like`): its own graphs in its own dtype, compiled at its first rollout and
-    reused after every :meth:`sync` that copies in place (a rebuilt, re-quantized copy is traced again).
+    (:func:`genrl.models.compile.compile_like`) unless ``precision.compile`` asks for its own compilation: its own
+    graphs in its own dtype, compiled at its first rollout and reused after every :meth:`sync`.
     """
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype | None = None, quantize=None) -> None:
+    def __init__(self, module: nn.Module, precision: RolloutPrecision | str | None = None) -> None:
         super().__init__()
-        self.dtype, self.quantize = dtype, quantize
-        self.module = self._build(module)
-
-    def _build(self, live: nn.Module) -> nn.Module:
-        module = copy.deepcopy(live).requires_grad_(False).eval()
-        if self.dtype is not None:
-            module = module.to(self.dtype)
-        module = self.quantize(module) if self.quantize is not None else module
-        return compile_like(module, live)  # a compiled policy rolls out through a compiled copy
+        if precision is None:
+            live = next(module.parameters()).dtype
+            precision = next((f for f, d in CAST_FORMATS.items() if d == live), "fp32")
+        self.precision = RolloutPrecision(precision) if isinstance(precision, str) else precision
+        built, self.report = build_rollout_module(module, self.precision)
+        self.module = built if self.precision.compile else compile_like(built, module)
+        self.last_sync: dict[str, float] = {}
 
     @torch.no_grad()
-    def sync(self, live: nn.Module) -> None:
-        """Refresh the copy from the live transformer: each parameter and buffer copied (cast to the copy's dtype) in
-        place, or, with ``quantize``, the copy rebuilt and re-quantized.
+    def sync(self, live: nn.Module) -> dict[str, float]:
+        """Refresh the copy from the live transformer in place (:func:`~genrl.models.quantized.refresh_rollout_module`).
 
+        Returns:
+            ``{"seconds", "max_weight_change"}`` of this refresh (also kept as ``last_sync``).
         Raises:
-            KeyError: the live module lacks a tensor of the copy (the copy belongs to another module).
+            KeyError: the live module lacks a layer or tensor of the copy (the copy belongs to another module).
         """
-        if self.quantize is not None:
-            self.module = self._build(live).to(next(self.module.parameters()).device)
-            return
-        src = {**dict(live.named_parameters()), **dict(live.named_buffers())}
-        for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
-            if name not in src:
-                raise KeyError(f"the live module has no tensor {name!r}: the rollout copy belongs to another module")
-            t.copy_(src[name].detach())
+        self.last_sync = refresh_rollout_module(self.module, live, self.precision)
+        return self.last_sync
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -322,18 +317,20 @@ class Roles:
         setattr(self.owner, name, copy_)
         return copy_
 
-    def rollout_copy(self, name: str, generator: nn.Module, dtype: torch.dtype | None = None,
-                     quantize=None) -> RolloutCopy:
-        """Register a :class:`RolloutCopy` of ``generator.transformer`` as ``owner.frozen[name]`` (not trained, not
-        checkpointed); evaluate with it through :meth:`swap`, refresh it with :meth:`sync`."""
+    def rollout_copy(self, name: str, generator: nn.Module,
+                     precision: RolloutPrecision | str | None = None) -> RolloutCopy:
+        """Register a :class:`RolloutCopy` of ``generator.transformer`` in ``precision`` as ``owner.frozen[name]`` (not
+        trained, not checkpointed); evaluate with it through :meth:`swap`, refresh it with :meth:`sync`."""
         self._declare(name, "rollout")
-        copy_ = RolloutCopy(generator.transformer, dtype, quantize)
+        copy_ = RolloutCopy(generator.transformer, precision)
         self.owner.frozen[name] = copy_
         return copy_
 
-    def sync(self, name: str) -> None:
-        """Refresh the rollout copy ``name`` from the live policy (``owner.generator.transformer``)."""
-        self.get(name).sync(self.owner.generator.transformer)
+    def sync(self, name: str) -> dict[str, float]:
+        """Refresh the rollout copy ``name`` from the live policy's transformer (``owner.generator.transformer``,
+        with whatever weights are applied to it: inside ``swap(generator, "old_policy")`` the lagged ones). Returns
+        the refresh's ``{"seconds", "max_weight_change"}``."""
+        return self.get(name).sync(self.owner.generator.transformer)
 
     def reference_copy(self, generator: nn.Module) -> None:
         """Declare the reference policy: nothing to store when ``generator.transformer`` has a LoRA adapter (the
