@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from genrl.cli import GenRLCLI
@@ -26,6 +27,8 @@ COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/tiny/ram.yaml": "configs/ram/shapes.yaml",
             "configs/tiny/rwr.yaml": "configs/rwr/shapes.yaml",
             "configs/ram/nft_shapes.yaml": "configs/ram/shapes.yaml",
+            "configs/sol_rl/fake_nvfp4.yaml": "configs/sol_rl/shapes.yaml",
+            "configs/tiny/sol_rl.yaml": "configs/sol_rl/shapes.yaml",
             "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml",
             # trainer profiles (configs/trainer/) are composed after a recipe
             **{f"configs/trainer/{p.name}": "configs/quickstart.yaml"
@@ -64,9 +67,17 @@ RAM_CONFIGS = {
 }
 
 
+SOL_RL_CONFIGS = {
+    "sana": "configs/sol_rl/sana_1.6b.yaml",
+    "sd3": "configs/sol_rl/sd3.5_large.yaml",
+    "flux": "configs/sol_rl/flux.1_dev.yaml",
+}
+
+
 @pytest.mark.parametrize("method,family", [("grpo", f) for f in sorted(FAMILY_CONFIGS)]
                          + [("branch_grpo", f) for f in sorted(BRANCH_CONFIGS)]
-                         + [("ram", f) for f in sorted(RAM_CONFIGS)])
+                         + [("ram", f) for f in sorted(RAM_CONFIGS)]
+                         + [("sol_rl", f) for f in sorted(SOL_RL_CONFIGS)])
 def test_family_config_trains_on_tiny_components(method, family, tmp_path, monkeypatch):
     from genrl.testing.families import TINY, TINY_SIZE
 
@@ -90,12 +101,20 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
     }
     if method == "branch_grpo":
         del override["model"]["init_args"]["mini_batch_size"]  # BranchGRPO steps per edges_per_step
-    if method == "ram":  # endpoints only: an ODE rollout, K = 2 re-noisings
+    if method == "sol_rl":  # the release's layer policy on the real family classes, simulated FP8 (no GPU here)
+        policy = yaml.safe_load((ROOT / SOL_RL_CONFIGS[family]).read_text())["model"]["init_args"]["preview"]
+        skip = policy["precision"]["skip"]
+        override["model"]["init_args"]["preview"] = {
+            "keep": 2, "num_steps": 2, "micro_batch_size": 2,
+            "precision": {"format": "fake_fp8", "skip": skip, "min_dim": 0, "compile": False}}
+        override["data"]["init_args"]["group_size"] = 3
+    if method in ("ram", "sol_rl"):  # endpoints only: an ODE rollout, K = 2 re-noisings
         override["model"]["init_args"].update(rollout={"num_steps": 3, "micro_batch_size": 2}, num_draws=2,
                                               micro_batch_size=2)
         del override["model"]["init_args"]["mini_batch_size"]
     (tmp_path / "tiny.yaml").write_text(json.dumps(override))  # JSON is YAML
-    config = {"grpo": FAMILY_CONFIGS, "branch_grpo": BRANCH_CONFIGS, "ram": RAM_CONFIGS}[method][family]
+    config = {"grpo": FAMILY_CONFIGS, "branch_grpo": BRANCH_CONFIGS, "ram": RAM_CONFIGS,
+              "sol_rl": SOL_RL_CONFIGS}[method][family]
     args = ["--config", str(ROOT / config), "--config", str(tmp_path / "tiny.yaml")]
     cli = _cli(args, run=False)
     cli.model.configure_model()
@@ -105,6 +124,10 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
     assert before and all("lora_" in k for k in before)
     assert any(not torch.equal(before[k], after[k]) for k in before), f"{family}: no LoRA weight changed"
     assert list((tmp_path / "cache").glob("*.pt")), "prompt embeddings were not cached on disk"
+    if method == "sol_rl":  # the skip list names real layers: some Linears quantized, the embedders kept
+        report = cli.model.roles.get("rollout").report
+        assert report.replaced and any("embed" in k for k in report.kept), str(report)
+        assert "preview/spearman" in cli.trainer.logged_metrics
 
 
 def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):

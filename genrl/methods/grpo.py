@@ -34,6 +34,7 @@ from genrl.methods.common import (
     policy_spec,
 )
 from genrl.methods.phases import collect_flat, flat_validation_step, group_advantages_of, optimizer_steps, score
+from genrl.methods.preview import PreviewConfig, configure_preview, log_proxy_fidelity, select_batch
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
@@ -75,6 +76,9 @@ class GRPO(LightningModule):
             inner epoch); each rank takes ``mini_batch_size / devices`` of its samples, so the optimizer steps are the
             same on 1 or N devices.
         eval_rollout: sampler for validation (default: ODE, 20 steps, the rollout's CFG).
+        preview: Sol-RL's two-stage collect (:class:`~genrl.methods.preview.PreviewConfig`): the ``group_size`` N
+            candidates per prompt previewed by a low-precision copy of the policy, K kept by preview reward and
+            regenerated (same noise addresses) in full precision for the update (docs/methods/sol_rl.md).
         seed: seed of all randomness.
     """
 
@@ -98,6 +102,7 @@ class GRPO(LightningModule):
         inner_epochs: int = 1,
         mini_batch_size: int | None = None,
         eval_rollout: RolloutConfig | None = None,
+        preview: PreviewConfig | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -119,11 +124,13 @@ class GRPO(LightningModule):
         self.generator: DiTGenerator | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self.scorer = Scorer(rewards, reward_combine)
+        self.preview = preview
         self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
-        configure_policy(self, reference=self.hparams.kl_beta > 0)
+        if (gen := configure_policy(self, reference=self.hparams.kl_beta > 0)) is not None:
+            configure_preview(self, gen)
 
     configure_optimizers = configure_policy_optimizer
 
@@ -160,9 +167,13 @@ class GRPO(LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> None:
         h, cfg, gen = self.hparams, self.rollout_config, self.generator
         prompts, index, group = list(batch["prompts"]), batch["index"].cpu(), batch["group"].cpu()
-        it, n = int(self.iteration), len(prompts)
+        it, selection = int(self.iteration), None
+        if self.preview is not None:  # Sol-RL: preview the pool in low precision, regenerate the kept rows
+            prompts, index, group, selection = select_batch(self, prompts, index, group, cfg, it)
+        n = len(prompts)
         ro = collect_flat(gen, prompts, self.latent_shape, h.seed, index, cfg, it)
         scores = score(self, self.scorer, ro, group, iteration=it)
+        log_proxy_fidelity(self, selection, scores.result.total, scores.result.valid)
         adv = group_advantages_of(self, scores, std=h.advantage_std, eps=h.advantage_eps,
                                   per_reward=h.reward_combine == "advantage_sum", iteration=it)
         traj, steps = ro.samples, ro.samples.sde_steps

@@ -404,11 +404,12 @@ class Roles:
 
     def shardable(self) -> dict[str, nn.Module]:
         """``{role: module}`` of every network a strategy may wrap or shard (the policy's transformer, trainable and
-        frozen networks; lagged copies follow the policy's parameters)."""
+        frozen networks). Lagged copies follow the policy's parameters; rollout copies are not sharded: each rank
+        holds a whole one (low precision, refreshed from gathered live weights)."""
         out = {}
         for name, role in self.table.items():
-            module = self.get(name)
-            if role.kind == "lagged":
+            if role.kind in ("lagged", "rollout"):
                 continue
-            out[name] = module.module if isinstance(module, RolloutCopy) else getattr(module, "transformer", module)
+            module = self.get(name)
+            out[name] = getattr(module, "transformer", module)
         return out
