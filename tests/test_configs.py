@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 import torch
+import yaml
 
 from genrl.cli import GenRLCLI
 
