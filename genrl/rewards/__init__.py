@@ -1,8 +1,9 @@
 """Reward-model zoo: the protocol, the registry and the rewards (docs/rewards.md; genrl/rewards/README.md).
 
 Importing this package registers every reward (heavy libraries load only when a reward is built):
-``"shapes"`` (:class:`ShapesVerifier`), ``"colorfulness"``, ``"clipscore"``, ``"pickscore"``, ``"aesthetic"``,
-``"hpsv2"``, ``"imagereward"``, ``"videoalign"``, ``"ocr"`` and ``"remote"`` (a loopback reward server).
+``"shapes"`` (:class:`ShapesVerifier`), ``"shapes_video"`` (:class:`ShapesVideoReward`, differentiable),
+``"colorfulness"``, ``"clipscore"``, ``"pickscore"``, ``"aesthetic"``, ``"hpsv2"``, ``"imagereward"``,
+``"videoalign"``, ``"ocr"`` and ``"remote"`` (a loopback reward server).
 :class:`RewardManager` holds a method's rewards outside its module tree and combines them.
 """
 
@@ -28,7 +29,7 @@ from genrl.rewards.registry import (
     register_reward,
 )
 from genrl.rewards.remote import RemoteReward
-from genrl.rewards.shapes import ShapesVerifier
+from genrl.rewards.shapes import ShapesVerifier, ShapesVideoReward
 from genrl.rewards.videoalign import VideoAlignReward
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "RewardModel",
     "RewardSpec",
     "ShapesVerifier",
+    "ShapesVideoReward",
     "UnknownRewardError",
     "available_rewards",
     "build_reward",

@@ -75,7 +75,7 @@ from genrl.data.shapes import (
 from genrl.rewards.base import RewardModel
 from genrl.rewards.registry import register_reward
 
-__all__ = ["ShapesVerifier"]
+__all__ = ["ShapesVerifier", "ShapesVideoReward"]
 
 _THRESHOLD = 0.1  # foreground margin above the per-frame median intensity
 _EMPTY_FRACTION = 0.2  # a frame is empty below this fraction of the smallest calibrated object mass
@@ -320,6 +320,18 @@ class ShapesVerifier(RewardModel):
                 raise ValueError(f"caption {p!r} states motion but the pixels have a single frame (T=1)")
         dev = self.palette.device  # score where the verifier lives (move it with .to(device))
         x = torch.nan_to_num(pixels.detach().float(), nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1).to(dev)
+        return self._scores(x, specs)[0]
+
+    def _scores(self, x: Tensor, specs: list[ShapeSpec], smooth: bool = False) -> tuple[dict[str, Tensor],
+                                                                                       dict[str, Tensor]]:
+        """The output keys of :meth:`score` for finite pixels ``x`` [B, T, 3, H, W] in [0, 1] (on the verifier's
+        device) and their parsed captions, plus the class probabilities ``{"color": [B, Kc], "shape": [B, Ks]}``.
+        Differentiable in ``x`` almost everywhere; ``smooth`` adds 1e-12 under the square roots (the chroma RMS and
+        the speed norm) so that their gradients stay finite at 0 (the values move by at most 1e-6)."""
+        w = self.world
+        b, t = x.shape[:2]
+        dev = x.device
+        tiny = 1e-12 if smooth else 0.0
         m = self.measure(x)
         nonempty = m["nonempty"]
         has_fg = nonempty.any(1)
@@ -356,7 +368,8 @@ class ShapesVerifier(RewardModel):
             v2, ok2 = self._velocity(cen, nonempty & (tt >= mid))
             p_all = self._direction_probs(v_all, ok_all)
             p1, p2 = self._direction_probs(v1, ok1), self._direction_probs(v2, ok2)
-            p_speed = _softmax_neg((v_all.norm(dim=1, keepdim=True) - self.speed_values) ** 2, self.tau_speed)
+            speed_norm = (v_all.square().sum(1, keepdim=True) + tiny).sqrt()
+            p_speed = _softmax_neg((speed_norm - self.speed_values) ** 2, self.tau_speed)
             p_speed = p_speed * ok_all[:, None]
             names = self.direction_names
             d1 = idx([names.index(s.directions[0]) if s.directions else -1 for s in specs])
@@ -380,7 +393,7 @@ class ShapesVerifier(RewardModel):
             mass = m["mass"]
             r_mass = mass.std(1, unbiased=False) / mass.mean(1).clamp(min=1e-8)
             dev_c = ((m["frame_chroma"] - m["chroma"][:, None]) ** 2).sum(-1)
-            r_color = ((dev_c * nonempty).sum(1) / nonempty.sum(1).clamp(min=1)).sqrt()
+            r_color = ((dev_c * nonempty).sum(1) / nonempty.sum(1).clamp(min=1) + tiny).sqrt()
             consistency = torch.exp(-(r_mass**2 + r_color**2) / (2 * _CONSISTENCY_SIGMA**2)) * has_fg
         else:
             consistency = nan.clone()
@@ -400,7 +413,66 @@ class ShapesVerifier(RewardModel):
             "shape_correct": shape_ok.float(),
             "direction_correct": direction_ok,
             "speed_correct": speed_ok,
-        }
+        }, {"color": p_color, "shape": p_shape}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, world={asdict(self.world)}"
+
+
+@register_reward("shapes_video")
+class ShapesVideoReward(RewardModel):
+    """A differentiable video reward for the shapes world with the three named dimensions of a video reward model
+    (VideoReward / VideoAlign's visual quality, motion quality and text alignment), for reward-weighted
+    distillation (Stream-R1's saliency): the exact verifier's soft scores computed with gradients.
+
+    Built on :class:`ShapesVerifier` (same measurements, same prototypes and temperatures), in float32:
+
+    ==================  ======================================================================================
+    ``visual_quality``  text-free appearance: (max_k P(color k) + max_k P(shape k)) / 2, how cleanly the video
+                        shows *some* palette color and *some* shape of the world
+    ``motion_quality``  text-free temporal quality: the verifier's ``consistency`` (stability of area and
+                        color over frames); NaN for single frames
+    ``text_alignment``  the caption: mean of the stated soft scores (color, shape, direction, speed, step
+                        following), the verifier's ``reward`` without ``consistency``
+    ``reward``          mean of the three (of the defined ones)
+    ==================  ======================================================================================
+
+    ``saliency(pixels, prompts, dims=[...])`` gives each dimension's per-pixel input-gradient norm; the gradient
+    reaches the foreground (the weights above the per-frame median) and nothing else. The exact verifier
+    (``shapes``) stays the evaluation; this reward differs from it by at most 1e-6 where both define a key.
+
+    Args:
+        world: the shapes world (as :class:`ShapesVerifier`). scale, shift: affine on ``"reward"``.
+    """
+
+    differentiable = True
+    dimensions = ("reward", "visual_quality", "motion_quality", "text_alignment")
+    higher_is_better = True
+    channels = (3,)
+
+    def __init__(self, world: ShapesWorldConfig | dict[str, Any] | None = None, scale: float = 1.0,
+                 shift: float = 0.0) -> None:
+        super().__init__(scale=scale, shift=shift)
+        self.verifier = ShapesVerifier(world)
+
+    def score(self, pixels: Tensor, prompts: list[str], **meta: Any) -> dict[str, Tensor]:
+        w = self.verifier.world
+        h, wd = pixels.shape[-2:]
+        if (h, wd) != (w.height, w.width):
+            raise ValueError(f"ShapesVideoReward is calibrated for {w.height}x{w.width} frames, got {h}x{wd}; build "
+                             f"it with world={{height: {h}, width: {wd}}}")
+        specs = [parse_caption(p, w) for p in prompts]
+        dev = self.verifier.palette.device
+        finite = torch.isfinite(pixels)
+        x = torch.where(finite, pixels, torch.zeros_like(pixels)).float().clamp(0, 1).to(dev)
+        out, probs = self.verifier._scores(x, specs, smooth=True)
+        vq = (probs["color"].amax(1) + probs["shape"].amax(1)) / 2
+        mq = out["consistency"]
+        stated = torch.stack([out[k] for k in ("color", "shape", "direction", "speed", "step_following")], 1)
+        ta = stated.nansum(1) / (~stated.isnan()).sum(1).clamp(min=1)
+        parts = torch.stack([vq, mq, ta], 1)
+        reward = parts.nansum(1) / (~parts.isnan()).sum(1).clamp(min=1)
+        return {"reward": reward, "visual_quality": vq, "motion_quality": mq, "text_alignment": ta}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, world={self.verifier.world.height}x{self.verifier.world.width}"
