@@ -195,17 +195,19 @@ def test_generator_loss_weight_hook_scales_the_dmd_gradient_per_sample(tiny_caus
     seen = {}
 
     def only(i):
-        def hook(x, x0_fake, x0_real, indices):
+        def hook(x, x0_fake, x0_real, indices, *, prompts, method):
             seen["args"] = (x.shape, x0_fake.shape, x0_real.shape, indices.tolist())
+            seen["prompts"], seen["method"] = prompts, method
             return torch.tensor([1.0, 0.0]) if i == 0 else torch.tensor([0.0, 1.0])
         return hook
 
     plain = float(model.generator_loss(cond, idx, it=0)["loss"])
     model.generator_loss_weight = only(0)
-    first = float(model.generator_loss(cond, idx, it=0)["loss"])
+    first = float(model.generator_loss(cond, idx, it=0, prompts=["p0", "p1"])["loss"])
+    assert seen["prompts"] == ["p0", "p1"] and seen["method"] is model
     model.generator_loss_weight = only(1)
     second = float(model.generator_loss(cond, idx, it=0)["loss"])
-    model.generator_loss_weight = lambda *a: 2.0
+    model.generator_loss_weight = lambda *a, **k: 2.0
     doubled = float(model.generator_loss(cond, idx, it=0)["loss"])
     assert seen["args"][3] == [0, 1] and seen["args"][0] == seen["args"][1] == seen["args"][2]
     assert first > 0 and second > 0 and first != second

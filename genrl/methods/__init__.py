@@ -6,9 +6,12 @@ from genrl.methods.dmd import DMD
 from genrl.methods.grpo import GRPO
 from genrl.methods.ode_init import ODEInit
 from genrl.methods.pretrain import FlowMatchingPretrain
+from genrl.methods.preview import PreviewConfig
 from genrl.methods.ram import RAM
 from genrl.methods.rwr import RewardWeightedRegression
+from genrl.methods.stream_r1 import StreamR1Weighting
 from genrl.models.lora import LoraSpec  # re-exported: configs and user code name genrl.methods.LoraSpec
+from genrl.models.quantized import RolloutPrecision  # re-exported with PreviewConfig (Sol-RL)
 
-__all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit", "RAM",
-           "RewardWeightedRegression"]
+__all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit", "PreviewConfig", "RAM",
+           "RewardWeightedRegression", "RolloutPrecision", "StreamR1Weighting"]

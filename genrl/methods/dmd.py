@@ -93,6 +93,8 @@ class DMD(LightningModule):
         max_grad_norm: gradient-norm clip of both networks (10).
         eval_schedule: sampler for validation (default: ``schedule``).
         rewards / reward_combine: validation rewards (default: the shapes verifier).
+        weighting: a module weighting the DMD gradient (:attr:`generator_loss_weight`), e.g.
+            :class:`~genrl.methods.stream_r1.StreamR1Weighting` (Stream-R1); None: plain DMD.
         seed: seed of all randomness.
     """
 
@@ -121,6 +123,7 @@ class DMD(LightningModule):
         eval_schedule: ChunkSchedule | None = None,
         rewards: list[dict[str, Any]] | None = None,
         reward_combine: Literal["weighted_sum", "zscore_sum"] = "weighted_sum",
+        weighting: torch.nn.Module | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -131,7 +134,7 @@ class DMD(LightningModule):
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         if generator_loss not in ("dmd", "sid"):
             raise ValueError(f"generator_loss must be 'dmd' or 'sid', got {generator_loss!r}")
-        self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer"])
+        self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer", "weighting"])
         self.generator_spec = policy_spec(self, generator)
         if self.generator_spec.family != "dit" and teacher is None:
             raise ValueError("a family student (generator:) needs an explicit teacher transformer spec, e.g. "
@@ -154,8 +157,9 @@ class DMD(LightningModule):
         self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
         self._negative: Conditioning | None = None
-        #: optional weight of the DMD gradient per sample / element (see :meth:`generator_loss`); None = 1
+        #: optional weight of the DMD gradient per sample / element (see :meth:`generator_loss`); None: ``weighting``
         self.generator_loss_weight: Callable[..., Any] | None = None
+        self.weighting = weighting  # a child: its state (e.g. Stream-R1's balance history) is checkpointed
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:
@@ -203,12 +207,14 @@ class DMD(LightningModule):
         return dmd_noised(x, indices, mix_seed(h.seed, it), stream, h.timestep_shift, h.min_timestep, h.max_timestep)
 
     # ------------------------------------------------------------------ losses
-    def generator_loss(self, cond: Conditioning, indices: torch.Tensor, it: int) -> dict[str, torch.Tensor]:
+    def generator_loss(self, cond: Conditioning, indices: torch.Tensor, it: int,
+                       prompts: list[str] | None = None) -> dict[str, torch.Tensor]:
         """One Self-Forcing rollout and the DMD (or SiD) loss; returns {"loss", "grad_norm_g", "exit_step"}.
 
-        The DMD gradient is weighted by :attr:`generator_loss_weight` when set: a callable ``(x, x0_fake, x0_real,
-        indices) -> weight`` (python float, [B], [B, T] or x's shape, non-negative, detached), so a composing method
-        (e.g. a reward-weighted DMD) changes the generator update without copying it; gradient = w * g / N.
+        The DMD gradient is weighted by :attr:`generator_loss_weight` (or, when that is None, the ``weighting``
+        module): a callable ``(x, x0_fake, x0_real, indices, prompts=..., method=self) -> weight`` (python float, [B], [B, T] or broadcastable to x, non-negative,
+        detached), so a composing method (e.g. Stream-R1's reward weight) changes the generator update without
+        copying it; gradient = w * g / N.
         """
         out = self.student_rollout(cond, indices, mix_seed(self.hparams.seed, it, 1), grad=True)
         x = out.latents
@@ -222,12 +228,13 @@ class DMD(LightningModule):
         fd = getattr(self.generator, "frame_dim", 1)
         g = dmd_gradient(x, x0_fake, x0_real, mask=mask, frame_dim=fd)
         if self.hparams.generator_loss == "dmd":
-            hook = self.generator_loss_weight
-            weight = hook(x.detach(), x0_fake, x0_real, indices) if hook is not None else None
+            hook = self.generator_loss_weight if self.generator_loss_weight is not None else self.weighting
+            weight = hook(x.detach(), x0_fake, x0_real, indices, prompts=prompts, method=self) if hook is not None \
+                else None
             loss = dmd_loss(x, g, mask=mask, weight=weight, frame_dim=fd)
         else:
-            if self.generator_loss_weight is not None:
-                raise ValueError("generator_loss_weight applies to the DMD loss; generator_loss='sid' has no weight")
+            if self.generator_loss_weight is not None or self.weighting is not None:
+                raise ValueError("a weighting applies to the DMD loss; generator_loss='sid' has no weight")
             loss = sid_loss(x, x0_fake, x0_real, mask=mask, frame_dim=fd)
         return {"loss": loss, "g_norm": g.float().pow(2).mean().sqrt(), "exit_step": torch.tensor(float(out.exit_step))}
 
@@ -253,7 +260,7 @@ class DMD(LightningModule):
         if gen_turn:
             if first:
                 opt_g.zero_grad()
-            out = self.generator_loss(cond, indices, it)
+            out = self.generator_loss(cond, indices, it, prompts)
             self._check_finite(out["loss"], "generator")
             self.manual_backward(out["loss"] / acc)
             self.log("train/generator_loss", out["loss"].detach().float(), batch_size=bs)
