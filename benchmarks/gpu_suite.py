@@ -23,6 +23,10 @@ Sections, in order (anchors: docs/models.md, "Reference throughput figures"):
    transformer blocks) in bf16 and with fp8 weights + activations (rowwise scales): torchao's
    ``Float8DynamicActivationFloat8WeightConfig`` when torchao is installed (the ``fp8`` extra), else
    (or when it fails) a plain ``torch._scaled_mm`` linear (``Fp8Linear``).
+5b. ``sol_rl_rollout``: genrl's Sol-RL rollout copy (``genrl.models.quantized``) of the section-1 transformer,
+   compiled, fp8 (torchao row-wise, layer policy's default skips) vs bf16 (issue 21: goal >= 1.35x), and the
+   in-place refresh after a simulated optimizer step (seconds; bitwise equal to a fresh quantization; parameters
+   not rebound; no recompilation). ``--tiny``: float32 vs simulated fp8.
 6. ``noise``: one step's noise draw per backend (per-sample device generators, counter-based Philox) at the shapes
    world's size and at Wan2.1's (16 x [16, 21, 60, 104]), ms (``sampler_overhead.noise_cost``).
 
@@ -662,6 +666,97 @@ def section_fp8_compile(ctx: SuiteContext, out: dict) -> None:
         torch._dynamo.reset()
 
 
+def _quantized_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two (possibly torchao-quantized) weights: their quantized data and scales."""
+    parts = [n for n in ("qdata", "scale", "per_tensor_scale") if hasattr(a, n)]
+    if parts:
+        return all(torch.equal(getattr(a, n), getattr(b, n)) for n in parts
+                   if getattr(a, n) is not None or getattr(b, n) is not None)
+    return torch.equal(a, b)
+
+
+def section_sol_rl_rollout(ctx: SuiteContext, out: dict) -> None:
+    """Section 5b: genrl's Sol-RL rollout copy (``genrl.models.quantized``) of the Wan2.1-1.3B transformer: compiled
+    fp8 copy (torchao row-wise, the layer policy's default skips) vs compiled bf16 copy forward, then the in-place
+    refresh after a simulated optimizer step: seconds (median of 3), bitwise equal to a fresh quantization of the
+    new weights, parameters not rebound, no recompilation at the next call. ``--tiny``: float32 and ``fake_fp8``."""
+    import torch._dynamo
+
+    from genrl.models.compile import CompileCounter
+    from genrl.models.quantized import RolloutPrecision, build_rollout_module, refresh_rollout_module
+
+    cuda = ctx.device.type == "cuda"
+    high, low = ("bf16", "fp8") if cuda else ("fp32", "fake_fp8")
+    out.update(high=high, low=low, compile_backend=ctx.compile_backend)
+    cfg = _wan_config(ctx, fp8_dims=True)
+    torch.manual_seed(0)
+    base = causal_wan_stream.wan_transformer(cfg, ctx.device, ctx.dtype)
+    x, t, text = _wan_inputs(ctx, cfg["text_dim"])
+    out["model"] = _wan_describe(ctx, base, x, text)
+
+    def forward(model):
+        return model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)[0]
+
+    outputs = {}
+    try:
+        for key, fmt in (("high", high), ("low", low)):
+            rec = out.setdefault(key, {"format": fmt})
+            torch._dynamo.reset()
+            copy_, report = build_rollout_module(base, RolloutPrecision(fmt))
+            rec["quantized_linears"], rec["kept_linears"] = len(report.replaced), len(report.kept)
+            rec["compiled"] = _compile(copy_, ctx.compile_backend)
+            with torch.no_grad():
+                _sync(ctx.device)
+                t0 = time.perf_counter()
+                outputs[key] = forward(copy_).float()
+                _sync(ctx.device)
+                rec["first_call_s"] = round(time.perf_counter() - t0, 2)
+                times = timed_ms(lambda m=copy_: forward(m), ctx.device, warmup=1, reps=3)
+            rec["forward_ms"] = _median(times)
+            rec["status"] = "ok"
+            ctx.save()
+            ctx.log(f"  rollout copy {fmt}: {rec['forward_ms']} ms (first call {rec['first_call_s']} s)")
+            if key == "low":
+                low_copy = copy_
+            else:
+                copy_ = None
+                _free(ctx.device)
+        out["speedup"] = round(out["high"]["forward_ms"] / out["low"]["forward_ms"], 3)
+        ref = outputs["high"]
+        out["rel_err_vs_high"] = round(float((outputs["low"] - ref).norm() / ref.norm().clamp(min=1e-30)), 5)
+
+        # an optimizer step's worth of change, then the in-place refresh
+        with torch.no_grad():
+            for q in base.parameters():
+                q.add_(1e-3 * torch.randn_like(q))
+        params = dict(low_copy.named_parameters())
+        ids = {n: id(q) for n, q in params.items()}
+        precision = RolloutPrecision(low)
+        seconds = []
+        for _ in range(3):
+            _sync(ctx.device)
+            seconds.append(refresh_rollout_module(low_copy, base, precision)["seconds"])
+            _sync(ctx.device)
+        out["refresh_s"] = round(statistics.median(seconds), 4)
+        out["refresh_s_all"] = [round(v, 4) for v in seconds]
+        fresh, _ = build_rollout_module(base, precision)
+        fresh_params = dict(fresh.named_parameters())
+        after = dict(low_copy.named_parameters())
+        out["params_not_rebound"] = all(id(after[n]) == ids[n] for n in ids)
+        out["bitwise_equal_to_fresh"] = all(_quantized_equal(after[n], fresh_params[n]) for n in after)
+        with torch.no_grad(), CompileCounter() as counter:
+            y = forward(low_copy).float()
+        out["recompiled_graphs"] = counter.graphs
+        with torch.no_grad():
+            y_fresh = forward(fresh).float()
+        out["refreshed_vs_fresh_eager_max_abs"] = float((y - y_fresh).abs().max())
+        out["stale_differs"] = not torch.equal(y, outputs["low"])
+        ctx.log(f"  fp8 copy x{out['speedup']} vs {high}; refresh {out['refresh_s']} s, bitwise "
+                f"{out['bitwise_equal_to_fresh']}, recompiled {out['recompiled_graphs']}")
+    finally:
+        torch._dynamo.reset()
+
+
 def noise_reproducibility(device: torch.device) -> dict:
     """On ``device``: is each backend's row bitwise the same drawn in a batch of 6 and in a reordered sub-batch of 3
     (``*_bitwise_across_batches``)? And the largest difference between Philox drawn on ``device`` and on the CPU
@@ -707,6 +802,8 @@ SECTIONS = [
             need_s=60, limit_s=180),
     Section("fp8_compile", "5. matmul TFLOP/s; Wan forward compiled, bf16 vs fp8", section_fp8_compile,
             need_s=30, limit_s=400),
+    Section("sol_rl_rollout", "5b. Sol-RL rollout copy of Wan2.1-1.3B: compiled fp8 vs bf16, in-place refresh",
+            section_sol_rl_rollout, need_s=60, limit_s=300),
     Section("noise", "6. noise draw per step: per-sample device generators vs Philox", section_noise,
             need_s=10, limit_s=60, tiny_need_s=5.0),
 ]
@@ -797,6 +894,19 @@ def _row_fp8(r: dict, tiny: bool) -> tuple[str, str]:
     return "; ".join(parts), anchor
 
 
+def _row_sol_rl(r: dict, tiny: bool) -> tuple[str, str]:
+    high, low = r.get("high") or {}, r.get("low") or {}
+    parts = [f"compiled {high.get('format', 'bf16')} copy {_num(high.get('forward_ms'), 1, 'ms')}, compiled "
+             f"{low.get('format', 'fp8')} copy {_num(low.get('forward_ms'), 1, 'ms')} "
+             f"({low.get('quantized_linears', '?')} Linears quantized)"]
+    if r.get("speedup") is not None:
+        parts.append(f"x{r['speedup']:.2f}, rel. err {_num(r.get('rel_err_vs_high'), 4)}")
+    if r.get("refresh_s") is not None:
+        parts.append(f"refresh {_num(r['refresh_s'], 3, 's')}, bitwise = fresh {r.get('bitwise_equal_to_fresh')}, "
+                     f"not rebound {r.get('params_not_rebound')}, recompiled graphs {r.get('recompiled_graphs')}")
+    return "; ".join(parts), "fp8 >= 1.35x compiled bf16 (1.43x on a 1.2B DiT); refresh ~0.03-0.05 s"
+
+
 def _row_noise(r: dict, tiny: bool) -> tuple[str, str]:
     parts = [f"{size} {backend} {_num(r.get(f'{size}_{backend}_ms'), 2, 'ms')}"
              for size in ("shapes", "wan2.1_480x832x81") for backend in ("generator", "philox")]
@@ -814,6 +924,7 @@ ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {
     "sd3_grpo": lambda r, tiny: _row_family(r, tiny, None),
     "causal_stream": _row_causal,
     "fp8_compile": _row_fp8,
+    "sol_rl_rollout": _row_sol_rl,
     "noise": _row_noise,
 }
 

@@ -19,7 +19,8 @@ if str(ROOT / "benchmarks") not in sys.path:
 
 import gpu_suite  # noqa: E402
 
-SECTION_NAMES = ["wan_forward", "wan_grpo", "wan_grpo_fsdp2", "sd3_grpo", "causal_stream", "fp8_compile", "noise"]
+SECTION_NAMES = ["wan_forward", "wan_grpo", "wan_grpo_fsdp2", "sd3_grpo", "causal_stream", "fp8_compile",
+                 "sol_rl_rollout", "noise"]
 
 
 def _table_rows(md: str) -> list[str]:
@@ -302,3 +303,18 @@ def test_wan_grpo_fsdp2_section_runs_on_the_tiny_wan_and_leaves_no_process_group
     assert out["fsdp2"] is True and out["family"] == "wan" and out["grad_ckpt"] is True
     assert out["trained_steps"] == 2 and out["grpo_step_s"] > 0
     assert not dist.is_initialized()
+
+
+def test_sol_rl_rollout_section_refreshes_in_place_on_the_tiny_wan(tmp_path):
+    """Section 5b on the CPU (float32 vs simulated fp8, eager-backend compile): the refreshed copy equals a fresh
+    quantization bitwise, keeps its parameters, is not traced again, and no longer computes the stale output."""
+    out: dict = {}
+    gpu_suite.section_sol_rl_rollout(_context(tmp_path, 120.0, []), out)
+    assert out["high"]["status"] == "ok" and out["low"]["status"] == "ok" and out["low"]["format"] == "fake_fp8"
+    assert out["low"]["quantized_linears"] > 0 and out["low"]["kept_linears"] > 0
+    assert out["speedup"] > 0 and 0 < out["rel_err_vs_high"] < 0.5
+    assert out["bitwise_equal_to_fresh"] and out["params_not_rebound"] and out["stale_differs"]
+    assert out["recompiled_graphs"] == 0 and out["refreshed_vs_fresh_eager_max_abs"] < 1e-4
+    assert out["refresh_s"] >= 0
+    measured, anchor = gpu_suite.ROWS["sol_rl_rollout"](out, True)
+    assert "refresh" in measured and "1.35x" in anchor

@@ -212,9 +212,9 @@ class DMD(LightningModule):
         """One Self-Forcing rollout and the DMD (or SiD) loss; returns {"loss", "grad_norm_g", "exit_step"}.
 
         The DMD gradient is weighted by :attr:`generator_loss_weight` (or, when that is None, the ``weighting``
-        module): a callable ``(x, x0_fake, x0_real, indices, prompts=..., method=self) -> weight`` (python float, [B], [B, T] or broadcastable to x, non-negative,
-        detached), so a composing method (e.g. Stream-R1's reward weight) changes the generator update without
-        copying it; gradient = w * g / N.
+        module): a callable ``(x, x0_fake, x0_real, indices, prompts=..., method=self) -> weight`` (python float,
+        [B], [B, T] or broadcastable to x, non-negative, detached), so a composing method (e.g. Stream-R1's reward
+        weight) changes the generator update without copying it; gradient = w * g / N.
         """
         out = self.student_rollout(cond, indices, mix_seed(self.hparams.seed, it, 1), grad=True)
         x = out.latents
