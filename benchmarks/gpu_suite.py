@@ -687,7 +687,7 @@ def section_sol_rl_rollout(ctx: SuiteContext, out: dict) -> None:
 
     cuda = ctx.device.type == "cuda"
     high, low = ("bf16", "fp8") if cuda else ("fp32", "fake_fp8")
-    out.update(high=high, low=low, compile_backend=ctx.compile_backend)
+    out.update(high_format=high, low_format=low, compile_backend=ctx.compile_backend)
     cfg = _wan_config(ctx, fp8_dims=True)
     torch.manual_seed(0)
     base = causal_wan_stream.wan_transformer(cfg, ctx.device, ctx.dtype)

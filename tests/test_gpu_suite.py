@@ -123,6 +123,10 @@ def _fake_report(tiny: bool, overhead: float, wan_peak: float, fps: float) -> di
                             fp8_torchao={"status": "skipped: torchao not installed"},
                             fp8_native={"status": "ok", "forward_ms": 400.0, "speedup_vs_compiled": 1.35,
                                         "rel_err_vs_eager": 0.03}),
+        "sol_rl_rollout": dict(high={"format": "bf16", "forward_ms": 560.0, "status": "ok"},
+                               low={"format": "fp8", "forward_ms": 400.0, "quantized_linears": 240, "status": "ok"},
+                               speedup=1.4, rel_err_vs_high=0.021, refresh_s=0.041, bitwise_equal_to_fresh=True,
+                               params_not_rebound=True, recompiled_graphs=0),
         "noise": {"shapes_generator_ms": 0.41, "shapes_philox_ms": 0.9, "wan2.1_480x832x81_generator_ms": 3.2,
                   "wan2.1_480x832x81_philox_ms": 25.0},
     }
@@ -150,7 +154,9 @@ def test_markdown_one_row_per_section_with_anchors_and_targets():
     assert ">= 17 frames/s end to end (met)" in rows[4] and "decode at end 22.4 frames/s" in rows[4]
     assert "bf16 770.1 / fp8 1,380.4 TFLOP/s" in rows[5] and "769 / 1,387 TFLOP/s" in rows[5]
     assert "compiled fp8 (torchao): skipped: torchao not installed" in rows[5] and "x1.35" in rows[5]
-    assert "wan2.1_480x832x81 generator 3.20 ms; wan2.1_480x832x81 philox 25.00 ms" in rows[6]
+    assert "compiled fp8 copy 400.0 ms (240 Linears quantized); x1.40, rel. err 0.0210" in rows[6]
+    assert "refresh 0.041 s, bitwise = fresh True, not rebound True, recompiled graphs 0" in rows[6]
+    assert "wan2.1_480x832x81 generator 3.20 ms; wan2.1_480x832x81 philox 25.00 ms" in rows[7]
 
     missed = _table_rows(gpu_suite.markdown(_fake_report(tiny=False, overhead=0.08, wan_peak=44.0, fps=12.0)))
     assert "overhead <= 5% (missed); peak < 40 GiB (missed)" in missed[1]
