@@ -85,6 +85,21 @@ def tiny_policy(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture
+def tiny_causal(tiny_policy, tiny_text_encoder) -> list[str]:
+    """CLI overrides that make configs/dmd/shapes.yaml's student and teacher the tiny random policy."""
+    return [f"--model.init_args.generator.pretrained={tiny_policy}",
+            f"--model.init_args.teacher.pretrained={tiny_policy}",
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
+
+
+@pytest.fixture
+def tiny_policy_args(tiny_policy, tiny_text_encoder) -> list[str]:
+    """CLI overrides that make a shapes-world RL config's policy the tiny random policy (no diffusers components)."""
+    return [f"--model.init_args.generator.pretrained={tiny_policy}", "--model.init_args.generator.components={}",
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
+
+
 def pytest_collection_modifyitems(config, items):
     """Under mutation testing (mutmut sets MUTANT_UNDER_TEST to a mutant's name), run the covering tests fastest
     first, by the durations mutmut recorded (``mutants/mutmut-stats.json``): pytest stops at the first failure, so a

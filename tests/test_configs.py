@@ -28,6 +28,7 @@ COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/tiny/rwr.yaml": "configs/rwr/shapes.yaml",
             "configs/ram/nft_shapes.yaml": "configs/ram/shapes.yaml",
             "configs/stream_r1/shapes.yaml": "configs/dmd/shapes.yaml",
+            "configs/stream_r1/wan2.1_t2v_1.3b.yaml": "configs/dmd/wan2.1_t2v_1.3b.yaml",
             "configs/sol_rl/fake_nvfp4.yaml": "configs/sol_rl/shapes.yaml",
             "configs/tiny/sol_rl.yaml": "configs/sol_rl/shapes.yaml",
             "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml",
@@ -131,16 +132,15 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
         assert "preview/spearman" in cli.trainer.logged_metrics
 
 
-def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
-    """configs/dmd/wan2.1_t2v_1.3b.yaml with its weights swapped for tiny random ones: the causal Wan student,
-    the teacher and the critic transformers train through the real CLI (student and critic change)."""
+def _tiny_wan_dmd(**init_args) -> dict:
+    """Overrides of configs/dmd/wan2.1_t2v_1.3b.yaml: tiny random Wan student / teacher / critic, 2 latent frames,
+    2 iterations on the CPU (plus ``init_args`` for the model)."""
     from genrl.testing.families import TINY, TINY_SIZE
 
-    monkeypatch.chdir(tmp_path)
     size = TINY_SIZE["wan"]
     tiny_transformer = {"model_class": "diffusers.WanTransformer3DModel", "pretrained": None, "subfolder": None,
                         "dtype": None, "config": TINY["wan"]["transformer"]}
-    override = {
+    return {
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
         "model": {"init_args": {
@@ -150,9 +150,16 @@ def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
             "teacher": tiny_transformer, "critic": tiny_transformer,
             "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
             "critic_updates_per_generator_update": 2, "grad_window_frames": None,
-            "rewards": [{"name": "colorfulness"}],
+            "rewards": [{"name": "colorfulness"}], **init_args,
         }},
     }
+
+
+def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
+    """configs/dmd/wan2.1_t2v_1.3b.yaml with its weights swapped for tiny random ones: the causal Wan student,
+    the teacher and the critic transformers train through the real CLI (student and critic change)."""
+    monkeypatch.chdir(tmp_path)
+    override = _tiny_wan_dmd()
     (tmp_path / "tiny.yaml").write_text(json.dumps(override))
     cli = _cli(["--config", str(ROOT / "configs/dmd/wan2.1_t2v_1.3b.yaml"), "--config", str(tmp_path / "tiny.yaml")],
                run=False)
@@ -220,3 +227,28 @@ def test_old_style_policy_keys_name_the_new_generator_key(tmp_path):
         _cli(["-c", str(ROOT / "configs/quickstart.yaml"), "-c", str(old)], run=False)
     with pytest.raises(ValueError, match=r"text_encoder.*replaced by model.init_args.generator.text_encoder"):
         _cli(["--config", str(ROOT / "configs/quickstart.yaml"), "--model.init_args.text_encoder=minilm"], run=False)
+
+
+def test_wan_stream_r1_config_trains_on_tiny_components(tmp_path, monkeypatch):
+    """configs/stream_r1/wan2.1_t2v_1.3b.yaml after the Wan DMD config, with tiny random Wan components and a tiny
+    random VideoAlign (3 outputs: VQ, MQ, TA): 2 iterations through the real CLI, the generator update weighted by
+    the reward (weight statistics logged)."""
+    from genrl.testing.rewards import build_tiny_videoalign
+
+    monkeypatch.chdir(tmp_path)
+    reward = build_tiny_videoalign(tmp_path / "videoalign", seed=0, output_dim=3)
+    override = _tiny_wan_dmd(weighting={"class_path": "genrl.methods.StreamR1Weighting", "init_args": {
+        "reward": {"name": "videoalign", "path": reward,
+                   "kwargs": {"base_model": f"{reward}/Qwen2-VL-2B-Instruct", "dtype": "float32"}},
+        "window": 2}})
+    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
+    configs = ["configs/dmd/wan2.1_t2v_1.3b.yaml", "configs/stream_r1/wan2.1_t2v_1.3b.yaml"]
+    cli = _cli([*(a for c in configs for a in ("--config", str(ROOT / c))), "--config", str(tmp_path / "tiny.yaml")],
+               run=False)
+    assert cli.model.weighting.dimensions == ["vq", "mq", "ta"] and cli.model.weighting.beta == 2.0
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    m = cli.trainer.logged_metrics
+    assert int(cli.model.iteration) == 2 and int(cli.model.weighting.filled) == 1
+    for key in ("stream_r1/w_inter_mean", "stream_r1/w_intra_max", "stream_r1/ta", "stream_r1/fusion_vq"):
+        assert key in m and torch.isfinite(torch.as_tensor(m[key])), key
+    assert float(m["stream_r1/invalid"]) == 0.0 and float(m["stream_r1/w_intra_std"]) > 0.0

@@ -17,13 +17,6 @@ DMD_CFG = str(ROOT / "configs/dmd/shapes.yaml")
 TINY = str(ROOT / "configs/tiny/dmd.yaml")
 
 
-@pytest.fixture
-def tiny_causal(tiny_policy, tiny_text_encoder):
-    return [f"--model.init_args.generator.pretrained={tiny_policy}",
-            f"--model.init_args.teacher.pretrained={tiny_policy}",
-            f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
-
-
 def _cli(args: list[str], run: bool = True) -> GenRLCLI:
     import genrl.data  # noqa: F401
     import genrl.methods  # noqa: F401

@@ -19,9 +19,8 @@ POLICY: list[str] = []
 
 
 @pytest.fixture(autouse=True)
-def _random_tiny_policy(tiny_policy, tiny_text_encoder):
-    POLICY[:] = [f"--model.init_args.generator.pretrained={tiny_policy}", "--model.init_args.generator.components={}",
-                 f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
+def _random_tiny_policy(tiny_policy_args):
+    POLICY[:] = tiny_policy_args
 
 
 def _fit(args: list[str], run: bool = True, extra_configs: tuple[str, ...] = ()) -> GenRLCLI:

@@ -35,13 +35,6 @@ class _Flat(RewardModel):
         return {"reward": m, "a": m, "b": 2 * m, "c": 3 * m}
 
 
-@pytest.fixture
-def tiny_causal(tiny_policy, tiny_text_encoder):
-    return [f"--model.init_args.generator.pretrained={tiny_policy}",
-            f"--model.init_args.teacher.pretrained={tiny_policy}",
-            f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
-
-
 def _cli(args: list[str], run: bool = True) -> GenRLCLI:
     import genrl.data  # noqa: F401
     import genrl.methods  # noqa: F401
@@ -54,6 +47,14 @@ def _method(tiny_causal, *extra):
     cli = _cli([*tiny_causal, *extra], run=False)
     cli.model.configure_model()
     return cli.model
+
+
+def _spied(weighting, seen: dict):
+    """``weighting`` as a hook that also keeps the weight it returned in ``seen["w"]``."""
+    def spy(*args, **kwargs):
+        seen["w"] = weighting(*args, **kwargs)
+        return seen["w"]
+    return spy
 
 
 def _grads(model, weight_hook, it: int = 0):
@@ -71,13 +72,8 @@ def test_beta_zero_with_a_flat_saliency_is_dmd_bit_for_bit(tiny_causal):
                     "--model.init_args.weighting.init_args.reward={name: test_flat_saliency}",
                     "--model.init_args.weighting.init_args.dimensions=[a, b, c]",
                     "--model.init_args.weighting.init_args.normalization={}")
-    weighting = model.weighting
-    seen = {}
-
-    def spy(*args, **kwargs):
-        seen["w"] = weighting(*args, **kwargs)
-        return seen["w"]
-
+    weighting, seen = model.weighting, {}
+    spy = _spied(weighting, seen)
     loss_w, grads_w = _grads(model, spy)
     assert torch.equal(seen["w"], torch.ones_like(seen["w"]))
     loss, grads = _grads(model, None)
@@ -90,13 +86,8 @@ def test_no_gradient_reaches_the_student_through_the_reward(tiny_causal):
     """The weight is a constant of the loss: the student's gradients with the live weighting equal those with its
     weight replayed as a plain tensor, the weight has no graph, and the reward's parameters get no gradient."""
     model = _method(tiny_causal)
-    weighting = model.weighting
-    seen = {}
-
-    def spy(*args, **kwargs):
-        seen["w"] = weighting(*args, **kwargs)
-        return seen["w"]
-
+    weighting, seen = model.weighting, {}
+    spy = _spied(weighting, seen)
     _, live = _grads(model, spy)
     w = seen["w"]
     assert w.grad_fn is None and not w.requires_grad
