@@ -31,6 +31,7 @@ from genrl.flow.forward_rl import (
     velocity_monitors,
 )
 from genrl.flow.guidance import cfg_combine
+from genrl.flow.history_guidance import CompiledGuidance, GuidanceView, HistoryGuidance, HistoryTerm, combine_views
 from genrl.flow.losses import SIGMA_SQRT_MIN_SIGMA, LossWeighting, flow_matching_loss, loss_weighting
 from genrl.flow.nft import (
     NFT_MIN_NORMALIZER,
@@ -99,6 +100,11 @@ __all__ = [
     "compute_dtype",
     "expand_sigma",
     "cfg_combine",
+    "CompiledGuidance",
+    "GuidanceView",
+    "HistoryGuidance",
+    "HistoryTerm",
+    "combine_views",
     "LossWeighting",
     "SIGMA_SQRT_MIN_SIGMA",
     "loss_weighting",
