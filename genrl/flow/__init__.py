@@ -30,6 +30,13 @@ from genrl.flow.forward_rl import (
     sample_timesteps,
     velocity_monitors,
 )
+from genrl.flow.frame_schedules import (
+    DIFFUSION_FORCING_MODES,
+    FRAME_SCHEDULE_KINDS,
+    diffusion_forcing_sigmas,
+    frame_schedule,
+    schedule_transitions,
+)
 from genrl.flow.guidance import cfg_combine
 from genrl.flow.history_guidance import CompiledGuidance, GuidanceView, HistoryGuidance, HistoryTerm, combine_views
 from genrl.flow.losses import SIGMA_SQRT_MIN_SIGMA, LossWeighting, flow_matching_loss, loss_weighting
@@ -122,6 +129,11 @@ __all__ = [
     "sigma_schedule",
     "sigmas_to_timesteps",
     "timesteps_to_sigmas",
+    "FRAME_SCHEDULE_KINDS",
+    "DIFFUSION_FORCING_MODES",
+    "frame_schedule",
+    "schedule_transitions",
+    "diffusion_forcing_sigmas",
     "euler_step",
     "StepKind",
     "STEP_KINDS",
