@@ -171,3 +171,30 @@ def test_bad_inputs_name_the_value(gen):
         history_rollout(gen, PROMPTS, FRAME, 8, seed=0, history=_history(frames=4), window=4)
     with pytest.raises(ValueError, match="must exceed the history's 2 frames"):
         history_rollout(gen, PROMPTS, FRAME, 2, seed=0, history=_history(), window=4)
+
+
+class _FramesOnAxis2:
+    """The tiny DiT seen through Wan's layout [B, C, F, H, W] (``frame_dim = 2``)."""
+
+    frame_dim = 2
+
+    def __init__(self, gen):
+        self.gen, self.device = gen, gen.device
+
+    def encode_prompts(self, prompts):
+        return self.gen.encode_prompts(prompts)
+
+    def velocity(self, x, sigma, cond, **kwargs):
+        assert x.shape[2] == sigma.shape[1]  # the frames are on axis 2 here
+        return self.gen.velocity(x.movedim(2, 1), sigma, cond, **kwargs).movedim(1, 2)
+
+
+def test_a_generator_with_frames_on_axis_2_gets_the_same_rollout_in_its_layout(gen):
+    """history_rollout takes and returns latents in the generator's layout; the computation is the same."""
+    hist = _history()
+    rule = HistoryGuidance("vanilla", scale=2.0)
+    ref = history_rollout(gen, PROMPTS, FRAME, 7, seed=2, history=hist, guidance=rule, config=ODE, window=4, context=2)
+    out = history_rollout(_FramesOnAxis2(gen), PROMPTS, FRAME, 7, seed=2, history=hist.movedim(1, 2), guidance=rule,
+                          config=ODE, window=4, context=2)
+    assert out.video.shape == (3, FRAME[0], 7, *FRAME[1:])
+    assert torch.equal(out.video.movedim(2, 1), ref.video) and out.windows == ref.windows

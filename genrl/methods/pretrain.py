@@ -2,9 +2,11 @@
 
 Loss: rectified-flow / flow-matching regression of the velocity ``v = eps - x0`` at
 ``x_sigma = (1 - sigma) x0 + sigma eps`` (Lipman et al. 2023; Liu et al. 2023; SD3, Esser et al. 2024,
-eq. 1-3 with logit-normal sigma sampling, sec. 3.1). With ``diffusion_forcing=True`` every temporal patch
-gets its own sigma (Diffusion Forcing, Chen et al. 2024, sec. 3; DFoT, Song et al. 2025, eq. 4), which is
-what later history guidance and causal students need.
+eq. 1-3 with logit-normal sigma sampling, sec. 3.1). With ``diffusion_forcing="independent"`` every temporal
+patch gets its own sigma (Diffusion Forcing, Chen et al. 2024, Algorithm 1; DFoT, Song et al. 2025, eq. 4); with
+``"history"`` a random history prefix gets independent sigmas and the rest one shared sigma (DFoT App. A.5). Both
+train the model that history-conditioned sampling and history guidance (`genrl.rollout.history_rollout`,
+`genrl.flow.HistoryGuidance`) need; the draws are `genrl.flow.diffusion_forcing_sigmas`.
 
 Every random draw of a training step (noise, sigma, caption dropout) is addressed by (seed, sample
 index, stream) through :mod:`genrl.noise`, so a resumed run repeats an uninterrupted one.
@@ -19,10 +21,19 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow import TimestepSampler, add_noise, flow_matching_loss
-from genrl.methods.common import Scorer, build_policy, linear_warmup, log_validation_rewards, policy_spec, trainer_of
+from genrl.flow import DIFFUSION_FORCING_MODES, TimestepSampler, add_noise, diffusion_forcing_sigmas, flow_matching_loss
+from genrl.methods.common import (
+    Scorer,
+    build_policy,
+    linear_warmup,
+    log_validation_rewards,
+    policy_optimizer,
+    policy_spec,
+    trainer_of,
+)
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
+from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
 from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
 from genrl.rollout.ode import sample_ode
@@ -51,7 +62,17 @@ class FlowMatchingPretrain(LightningModule):
         timestep_sampler: training sigma distribution (default logit-normal(0, 1), SD3 sec. 3.1).
         loss_weighting: ``"none"``, ``"sigma_sqrt"`` or ``"cosmap"`` (SD3 sec. 3.1).
         caption_dropout: probability of training a sample with the null prompt ``""`` (enables CFG).
-        diffusion_forcing: independent sigma per temporal patch instead of one per sample.
+        diffusion_forcing: per-frame noise levels (Diffusion Forcing / DFoT): ``"none"`` (or False, one sigma per
+            sample), ``"independent"`` (or True, an i.i.d. sigma per temporal patch) or ``"history"`` (per sample
+            a history length h drawn uniformly from ``history_frames``; the patches of the first h frames get
+            i.i.d. sigmas, all later frames share one). Every frame is in the loss. Frames are the generator's
+            ``frame_dim`` axis (1 for genrl's DiT, 2 for Wan's latent frames); frames of one temporal patch share
+            a sigma.
+        history_frames: ``diffusion_forcing="history"`` only: the allowed history lengths in (latent) frames, each
+            a multiple of the temporal patch: an int (the largest; 0, p, ..., history_frames), a list, or None
+            (0 .. T - p). See `genrl.flow.diffusion_forcing_sigmas`.
+        lora: a LoRA adapter (`genrl.models.lora.LoraSpec` fields) to train instead of the full transformer
+            (fine-tuning a large model, e.g. Wan2.1-1.3B, into a diffusion-forcing model).
         attention: ``"bidirectional"`` or ``"block_causal"`` (needs ``causal_chunk_size`` in the transformer).
         seed: seed of all training randomness.
         sample_steps / sample_shift / cfg_scale: validation sampler (Euler steps, sigma shift, CFG scale w).
@@ -67,7 +88,9 @@ class FlowMatchingPretrain(LightningModule):
         timestep_sampler: TimestepSampler | None = None,
         loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none",
         caption_dropout: float = 0.1,
-        diffusion_forcing: bool = False,
+        diffusion_forcing: bool | Literal["none", "independent", "history"] = False,
+        history_frames: int | list[int] | None = None,
+        lora: LoraSpec | None = None,
         attention: Literal["bidirectional", "block_causal"] = "bidirectional",
         seed: int = 0,
         sample_steps: int = 20,
@@ -80,6 +103,17 @@ class FlowMatchingPretrain(LightningModule):
             raise ValueError(f"caption_dropout must be in [0, 1), got {caption_dropout}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        modes = ("none", *DIFFUSION_FORCING_MODES)
+        if not isinstance(diffusion_forcing, bool) and diffusion_forcing not in modes:
+            raise ValueError(f"diffusion_forcing must be true / false or one of {modes}, got {diffusion_forcing!r}")
+        #: "none", "independent" or "history"
+        self.df_mode = {False: "none", True: "independent"}.get(diffusion_forcing, diffusion_forcing) \
+            if isinstance(diffusion_forcing, bool) else diffusion_forcing
+        if history_frames is not None and self.df_mode != "history":
+            raise ValueError(
+                f"history_frames={history_frames!r} applies to diffusion_forcing: history only (got "
+                f"diffusion_forcing={diffusion_forcing!r}); set diffusion_forcing: history or drop history_frames"
+            )
         self.save_hyperparameters(ignore=["optimizer"])
         self.generator_spec = policy_spec(self, generator, default=GeneratorSpec(components={"transformer": {}}))
         self.optimizer_factory = optimizer
@@ -93,12 +127,12 @@ class FlowMatchingPretrain(LightningModule):
         """Build the transformer and load the text encoder (heavy work happens here, not in __init__)."""
         if self.generator is not None:
             return
-        self.generator = self.roles.trainable("generator", build_policy(self.generator_spec))
+        self.generator = self.roles.trainable("generator", build_policy(self.generator_spec, self.hparams.lora))
         if self.scorer is not None:
             self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
-        return linear_warmup(self.optimizer_factory(self.generator.transformer.parameters()), self.hparams.warmup_steps)
+        return linear_warmup(policy_optimizer(self.generator, self.optimizer_factory), self.hparams.warmup_steps)
 
     # ------------------------------------------------------------------ training
     def _indices(self, batch: dict) -> torch.Tensor:
@@ -107,16 +141,28 @@ class FlowMatchingPretrain(LightningModule):
         b = batch["pixels"].shape[0]
         return torch.arange(b) + self.global_step * b
 
+    @property
+    def frame_dim(self) -> int:
+        """The frame axis of the generator's latents (1: [B, T, C, H, W]; 2: Wan's [B, C, F, h, w])."""
+        return int(getattr(self.generator, "frame_dim", 1))
+
     def _sample_sigma(self, indices: torch.Tensor, frames: int) -> torch.Tensor:
+        """Training sigma: [B] (one per sample) or per frame [B, T] under diffusion forcing, each sample's draw
+        addressed by (seed, index) so it does not depend on the batch it sits in."""
         seed = self.hparams.seed
-        pt = self.generator.transformer.config.patch_size[0] if hasattr(self.generator.transformer, "config") else 1
-        groups = frames // pt if self.hparams.diffusion_forcing else 1
-        sig = torch.stack(
-            [self.timestep_sampler(groups, sample_generator(seed, int(i), 0, _STREAM_SIGMA)) for i in indices]
-        )
-        if self.hparams.diffusion_forcing:
-            return sig.repeat_interleave(pt, dim=1)  # [B, T]
-        return sig[:, 0]  # [B]
+        if self.df_mode == "none":
+            return torch.stack(
+                [self.timestep_sampler(1, sample_generator(seed, int(i), 0, _STREAM_SIGMA)) for i in indices]
+            )[:, 0]
+        cfg = getattr(self.generator.transformer, "config", None)
+        pt = int(cfg.patch_size[0]) if cfg is not None and hasattr(cfg, "patch_size") else 1
+        history = self.hparams.history_frames if self.df_mode == "history" else None
+        return torch.cat([
+            diffusion_forcing_sigmas(1, frames, generator=sample_generator(seed, int(i), 0, _STREAM_SIGMA),
+                                     mode=self.df_mode, history=history, frame_group=pt,
+                                     sampler=self.timestep_sampler)
+            for i in indices
+        ])
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         pixels = batch["pixels"]
@@ -126,14 +172,15 @@ class FlowMatchingPretrain(LightningModule):
         idx = self._indices(batch)
         x0 = self.generator.encode(pixels).float()
         eps = randn_per_sample(x0.shape[1:], self.hparams.seed, idx, stream=_STREAM_NOISE, device=x0.device)
-        sigma = self._sample_sigma(idx, x0.shape[1]).to(x0.device)
+        fd = self.frame_dim
+        sigma = self._sample_sigma(idx, x0.shape[fd]).to(x0.device)
         if self.hparams.caption_dropout > 0:
             drop = rand_per_sample((), self.hparams.seed, idx, stream=_STREAM_DROPOUT) < self.hparams.caption_dropout
             prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
         cond = self.generator.encode_prompts(prompts)
-        x = add_noise(x0, eps, sigma)
+        x = add_noise(x0, eps, sigma, frame_dim=fd)
         v = self.generator.velocity(x, sigma, cond, attention=self.hparams.attention)
-        loss = flow_matching_loss(v, x0, eps, sigma, weighting=self.hparams.loss_weighting).mean()
+        loss = flow_matching_loss(v, x0, eps, sigma, weighting=self.hparams.loss_weighting, frame_dim=fd).mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite flow-matching loss {loss.item()} at step {self.global_step}; lower the learning "

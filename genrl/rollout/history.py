@@ -19,6 +19,11 @@ Reproducibility (docs/architecture.md, Seeds and noise addressing): window w of 
 (one draw per sample and step, shared by the views, which differ only in the noise level). So the first window
 without history and with conditional guidance is exactly :func:`genrl.rollout.sampler.rollout`'s ODE sample, and a
 sample's video does not depend on the batch it was drawn in (``batching="fixed"``).
+
+Layouts: :func:`sample_window` works on frames-first latents [B, F, *frame]; a generator whose latents hold the frames
+on another axis (Wan's [B, C, F, h, w]: ``generator.frame_dim = 2``) gets its inputs moved to that axis and its
+velocity moved back. :func:`history_rollout` takes and returns latents in the generator's own layout. (For such a
+generator the noise is drawn frames-first, so its first window is not the same draw as the plain rollout's.)
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ class HistorySample:
     """What :func:`history_rollout` returns.
 
     Attributes:
-        video: [B, N, *frame] latents: the given history followed by the generated frames (the history tensor's
-            values unchanged, bit for bit).
+        video: the given history followed by the generated frames, N frames on the generator's frame axis ([B, N,
+            *frame] for genrl's DiT, [B, C, N, h, w] for Wan); the history's values unchanged, bit for bit.
         generated: bool [N], True on generated frames.
         windows: per window, a dict with ``start`` (first frame of the window), ``history`` (its history frames),
             ``new`` (frames it generated and kept) and ``nfe`` (network calls per step).
@@ -108,8 +113,9 @@ def sample_window(
 
     Args:
         generator: a generator whose ``velocity`` takes a per-frame sigma [B, T] (genrl's DiT; Wan through its
-            per-token timesteps).
-        history: [B, h, *frame] clean (or given) history latents, h = ``compiled.num_history`` (h may be 0).
+            per-token timesteps); its ``frame_dim`` (default 1) says where its latents hold the frames.
+        history: frames-first [B, h, *frame] clean (or given) history latents, h = ``compiled.num_history`` (may be
+            0).
         num_new: frames to generate (the model sees h + num_new frames).
         cond: the prompts' conditioning (B rows); null: the null prompt's (B rows), needed when a view drops text.
         compiled: the guidance rule compiled for h history frames.
@@ -134,6 +140,7 @@ def sample_window(
     if any(drops) and null is None:
         raise ValueError("a guidance view drops the text but no null conditioning was given")
     device = generator.device
+    fd = int(getattr(generator, "frame_dim", 1))
     frame_shape = tuple(history.shape[2:])
     gen_stream, hist_stream = _streams(window)
     sigmas = config.sigmas()
@@ -157,9 +164,9 @@ def sample_window(
             frames = x.unsqueeze(0).expand(v_count, *x.shape)
         sig_frames = torch.cat([view_sigma[:, None, :].expand(v_count, b, h),
                                 sig32[k].expand(v_count, b, num_new)], dim=2)
-        vel = guided_velocity(generator, frames.reshape(v_count * b, h + num_new, *frame_shape),
-                              sig_frames.reshape(v_count * b, h + num_new), conds, None, 1.0,
-                              config.micro_batch_size, config.batching)
+        inputs = frames.reshape(v_count * b, h + num_new, *frame_shape).movedim(1, fd)  # the generator's layout
+        vel = guided_velocity(generator, inputs, sig_frames.reshape(v_count * b, h + num_new), conds, None, 1.0,
+                              config.micro_batch_size, config.batching).movedim(fd, 1)
         v = compiled.combine(vel.reshape(v_count, b, h + num_new, *frame_shape)[:, :, h:])
         if mask[k]:
             noise = randn_per_sample((num_new, *frame_shape), seed, indices, step=k + 1, stream=gen_stream,
@@ -193,10 +200,11 @@ def history_rollout(
     Args:
         generator: see :func:`sample_window`.
         prompts: B prompts (the same prompt conditions every window).
-        frame_shape: one latent frame's shape, e.g. (C, H, W).
+        frame_shape: one latent frame's shape without the frame axis, e.g. (C, H, W) (Wan: (C, h, w)).
         num_frames: frames of the output, history included (> the history's length).
         seed: run seed; indices: per-sample ids (default 0..B-1); they address all noise.
-        history: [B, h0, *frame] known frames (ground truth) or None (the first window starts from nothing).
+        history: the known frames in the generator's layout ([B, h0, *frame]; Wan: [B, C, h0, h, w]), or None
+            (the first window starts from nothing).
         guidance: the rule (default: conditional).
         config: kernel, steps, shift, micro-batching (``cfg_scale`` must be 1; default: an ODE rollout of 10 steps).
         window: frames the model sees at once (its training length; the shapes DiT: 8).
@@ -213,6 +221,9 @@ def history_rollout(
     guidance = guidance or HistoryGuidance()
     config = config or RolloutConfig(kernel="ode")
     b = len(prompts)
+    fd = int(getattr(generator, "frame_dim", 1))
+    if history is not None:
+        history = history.movedim(fd, 1)  # frames-first inside
     h0 = 0 if history is None else int(history.shape[1])
     context = window // 2 if context is None else int(context)
     if not 0 < context < window:
@@ -260,5 +271,5 @@ def history_rollout(
     video = torch.stack(frames, dim=1)
     if history is not None:
         video[:, :h0] = history.to(device=device, dtype=video.dtype)
-    return HistorySample(video=video, generated=torch.tensor(generated), windows=windows, network_calls=calls,
-                         log_probs=torch.cat(log_probs, dim=1))
+    return HistorySample(video=video.movedim(1, fd), generated=torch.tensor(generated), windows=windows,
+                         network_calls=calls, log_probs=torch.cat(log_probs, dim=1))

@@ -36,6 +36,8 @@ class WanGenerator(DiffusersGenerator):
     default_max_sequence_length: ClassVar[int] = 512
     default_shift: ClassVar[float] = 3.0
     is_video: ClassVar[bool] = True
+    #: the frame axis of the latents [B, C, F, h, w] (genrl's own models: 1)
+    frame_dim: ClassVar[int] = 2
 
     component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {
         "transformer": ("diffusers.WanTransformer3DModel", None), "vae": ("diffusers.AutoencoderKLWan", None),
