@@ -106,10 +106,12 @@ def suggest_keys(message: str, parser=None) -> list[tuple[str, list[str]]]:
     parser_keys = _parser_keys(parser) if parser is not None else set()
     for m in re.finditer(r"(?:does not accept option|unrecognized arguments:)\s+'?(--)?([\w.\-]+)", message):
         found.append((m.group(2), _closest(m.group(2), parser_keys)))
-    owner = re.search(r'Parser key "([\w.]+)"', message)
+    owners = [(m.start(), m.group(1)) for m in re.finditer(r'Parser key "([\w.]+)"', message)]
     for m in re.finditer(r"class_path '([\w.]+)':\s*\n?\s*(?:Option|Key) '([\w.]+)' is not (?:accepted|expected)",
                          message):
-        prefix = f"{owner.group(1)}.init_args." if owner else ""
+        # nested components: every parser key named before the class (model -> weighting -> ...) is a level
+        chain = [key for pos, key in owners if pos < m.start()]
+        prefix = "".join(f"{key}.init_args." for key in chain)
         keys = _class_keys(m.group(1))
         found.append((prefix + m.group(2), [prefix + k for k in _closest(m.group(2), keys)]))
     return found

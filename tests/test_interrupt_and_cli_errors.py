@@ -112,6 +112,15 @@ def test_config_typo_names_the_key_and_the_closest_ones_first(tmp_path, capsys, 
     assert len(lines) <= 5 and "did you mean: trainer.max_steps" in lines[1]
 
 
+def test_a_typo_inside_a_nested_component_gets_its_full_key(capsys, monkeypatch):
+    """A component inside a method (DMD's weighting: StreamR1Weighting) is suggested under its whole path."""
+    lines = _first_lines(capsys, monkeypatch, ["fit", "--config", str(ROOT / "configs/dmd/shapes.yaml"), "--config",
+                                               str(ROOT / "configs/stream_r1/shapes.yaml"),
+                                               "--model.init_args.weighting.init_args.betta=2"])
+    head = "\n".join(lines[:3])
+    assert "did you mean: model.init_args.weighting.init_args.beta?" in head
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_gpu_accelerator_without_cuda_fails_before_the_model_with_the_fix(capsys, monkeypatch):
     import genrl.models.loading as loading

@@ -226,3 +226,18 @@ def test_a_compiled_copy_is_not_traced_again_after_a_refresh():
         assert counter.graphs == 0
         assert torch.allclose(out, eager(x), atol=1e-6, rtol=1e-6)
         assert not torch.allclose(out, copy.deepcopy(live)(x), atol=1e-4)
+
+
+@pytest.mark.parametrize("capability, fmt, warns", [("AVX2", "bf16", True), ("AVX2", "fp16", True),
+                                                     ("AVX512_AMX", "bf16", False), ("AVX2", "fp32", False),
+                                                     ("AVX2", "fake_nvfp4", False)])
+def test_a_half_precision_copy_on_a_cpu_without_amx_warns(monkeypatch, caplog, capability, fmt, warns):
+    """bf16 / fp16 matmuls are emulated (and slower than float32) on CPUs without AMX: building such a copy there
+    says so and names the fix."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    with caplog.at_level("WARNING", logger="genrl.models.quantized"):
+        build_rollout_module(nn.Sequential(nn.Linear(32, 32)), RolloutPrecision(fmt))
+    hit = [r.getMessage() for r in caplog.records if "without AMX" in r.getMessage()]
+    assert bool(hit) == warns
+    if warns:
+        assert capability in hit[0] and "'fp32'" in hit[0]

@@ -155,3 +155,12 @@ def test_bad_weightings_are_named():
         StreamR1Weighting(window=3)
     with pytest.raises(ValueError, match="beta"):
         StreamR1Weighting(beta=-1.0)
+
+
+def test_a_dimension_the_reward_does_not_return_is_named_with_the_ones_it_does(tiny_causal):
+    model = _method(tiny_causal, "--model.init_args.weighting.init_args.reward={name: test_flat_saliency}",
+                    "--model.init_args.weighting.init_args.dimensions=[a, b, motion_qualty]",
+                    "--model.init_args.weighting.init_args.normalization={}")
+    with pytest.raises(ValueError, match=r"\['motion_qualty'\] are not outputs .* returns \['a', 'b', 'c', "
+                                         r"'reward'\]"):
+        _grads(model, model.weighting)

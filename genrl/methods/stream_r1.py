@@ -115,6 +115,12 @@ class StreamR1Weighting(nn.Module):
             pixels = gen.decode(x.detach()).float().clamp(0, 1).cpu()
         model = self.reward
         out = model(pixels, prompts)
+        missing = [d for d in self.dimensions if d not in out]
+        if missing:
+            keys = sorted(k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dtype != torch.bool)
+            raise ValueError(f"stream_r1 dimensions {missing} are not outputs of the reward "
+                             f"{type(model).__name__}; it returns {keys}: set weighting.init_args.dimensions to "
+                             f"three of them (VQ, MQ, TA)")
         raw = torch.stack([out[d].detach().double().cpu() for d in self.dimensions], 1)  # [B, D]
         z = (raw - self.stats[:, 0].cpu()) / self.stats[:, 1].cpu()
         valid = torch.isfinite(z).all(1) & out["valid"].cpu()
