@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,29 +41,14 @@ ARMS = {
 def train(arm: str, seed: int, student: str, iterations: int, root: Path) -> tuple[str, float]:
     """Train one arm in its own folder (the configs' relative run paths land there); returns (its export folder,
     wall seconds)."""
-    import os
+    from fit_runs import fit_in
 
-    from genrl.cli import GenRLCLI
-
-    out = (root / f"{arm}_s{seed}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
     args = ["fit", "--config", str(ROOT / "configs/dmd/shapes.yaml"), *ARMS[arm],
             f"--model.init_args.generator.pretrained={Path(student).resolve()}",
             f"--model.init_args.teacher.pretrained={ROOT / 'assets/shapes-dit'}", f"--seed_everything={seed}",
             f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}", f"--trainer.max_steps={iterations}",
             "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
-    cwd = os.getcwd()
-    os.chdir(out)
-    try:
-        t0 = time.perf_counter()
-        GenRLCLI(args=args, run=True)
-        wall = round(time.perf_counter() - t0, 1)
-    finally:
-        os.chdir(cwd)
-    exports = sorted(out.glob("runs/*/export"))
-    if len(exports) != 1:
-        raise RuntimeError(f"{arm} seed {seed}: expected one export under {out}/runs, found {exports}")
-    return str(exports[0]), wall
+    return fit_in(root / f"{arm}_s{seed}", args)
 
 
 def agreement(student: str, n: int, seed: int = 0) -> dict:

@@ -81,18 +81,14 @@ SOL_RL_CONFIGS = {
                          + [("ram", f) for f in sorted(RAM_CONFIGS)]
                          + [("sol_rl", f) for f in sorted(SOL_RL_CONFIGS)])
 def test_family_config_trains_on_tiny_components(method, family, tmp_path, monkeypatch):
-    from genrl.testing.families import TINY, TINY_SIZE
+    from genrl.testing.families import tiny_generator_spec
 
     monkeypatch.chdir(tmp_path)
-    size = TINY_SIZE[family]
     override = {
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 1, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False},
         "model": {"init_args": {
-            "generator": {"pretrained": None, "components": TINY[family], "torch_dtype": "float32",
-                          "height": size["height"], "width": size["width"], "num_frames": size.get("num_frames", 1),
-                          "max_sequence_length": size.get("max_sequence_length", 16),
-                          "prompt_cache_dir": str(tmp_path / "cache")},
+            "generator": tiny_generator_spec(family, str(tmp_path / "cache")),
             "rollout": {"num_steps": 3, "num_sde_steps": 2, "micro_batch_size": 2},
             "mini_batch_size": 2, "lora": {"rank": 4},
             **({"tree": {"split_steps": [0, 1], "max_frontier": 16}, "rollout": {"num_steps": 3, "micro_batch_size": 2}}
@@ -135,18 +131,15 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
 def _tiny_wan_dmd(**init_args) -> dict:
     """Overrides of configs/dmd/wan2.1_t2v_1.3b.yaml: tiny random Wan student / teacher / critic, 2 latent frames,
     2 iterations on the CPU (plus ``init_args`` for the model)."""
-    from genrl.testing.families import TINY, TINY_SIZE
+    from genrl.testing.families import TINY, tiny_generator_spec
 
-    size = TINY_SIZE["wan"]
     tiny_transformer = {"model_class": "diffusers.WanTransformer3DModel", "pretrained": None, "subfolder": None,
                         "dtype": None, "config": TINY["wan"]["transformer"]}
     return {
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
         "model": {"init_args": {
-            "generator": {"pretrained": None, "components": TINY["wan"], "torch_dtype": "float32",
-                          "height": size["height"], "width": size["width"], "num_frames": size["num_frames"],
-                          "max_sequence_length": size["max_sequence_length"], "prompt_cache_dir": None},
+            "generator": tiny_generator_spec("wan"),
             "teacher": tiny_transformer, "critic": tiny_transformer,
             "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
             "critic_updates_per_generator_update": 2, "grad_window_frames": None,
@@ -175,7 +168,7 @@ def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
     """configs/afd/wan2.1_t2v_1.3b.yaml with tiny random Wan components and a folder of synthetic teacher mp4s:
     the causal Wan student (LoRA) and the discriminator train through the real CLI."""
     from genrl.data.video_io import write_video
-    from genrl.testing.families import TINY, TINY_SIZE
+    from genrl.testing.families import TINY_SIZE, tiny_generator_spec
 
     monkeypatch.chdir(tmp_path)
     size = TINY_SIZE["wan"]
@@ -191,9 +184,7 @@ def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
         "model": {"init_args": {
-            "generator": {"pretrained": None, "components": TINY["wan"], "torch_dtype": "float32",
-                          "height": size["height"], "width": size["width"], "num_frames": size["num_frames"],
-                          "max_sequence_length": size["max_sequence_length"], "prompt_cache_dir": None},
+            "generator": tiny_generator_spec("wan"),
             "lora": {"rank": 4, "alpha": 4},
             "discriminator": {"model_class": "genrl.models.discriminator.VideoDiscriminator",
                               "config": {"in_channels": 16, "patch_size": [1, 2, 2], "hidden_size": 16,

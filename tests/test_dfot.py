@@ -134,7 +134,7 @@ def test_wan_dfot_config_trains_two_steps_and_samples_with_history_guidance(tmp_
     from genrl.flow import HistoryGuidance
     from genrl.rollout import RolloutConfig
     from genrl.rollout.history import history_rollout
-    from genrl.testing.families import TINY, TINY_SIZE
+    from genrl.testing.families import TINY_SIZE, tiny_generator_spec
 
     monkeypatch.chdir(tmp_path)
     size = TINY_SIZE["wan"]
@@ -147,10 +147,7 @@ def test_wan_dfot_config_trains_two_steps_and_samples_with_history_guidance(tmp_
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
         "model": {"init_args": {
-            "generator": {"pretrained": None, "components": TINY["wan"], "torch_dtype": "float32",
-                          "height": size["height"], "width": size["width"], "num_frames": size["num_frames"],
-                          "max_sequence_length": size["max_sequence_length"], "prompt_cache_dir": None,
-                          "gradient_checkpointing": False},
+            "generator": tiny_generator_spec("wan", gradient_checkpointing=False),
             "lora": {"rank": 4, "alpha": 4}, "history_frames": [0, 1], "warmup_steps": 0}},
         "data": {"init_args": {"root": str(videos), "num_frames": size["num_frames"], "height": size["height"],
                                "width": size["width"], "batch_size": 2, "num_workers": 0, "val_fraction": 0.0}},

@@ -8,7 +8,7 @@ model layer).
 
 from __future__ import annotations
 
-__all__ = ["TINY", "TINY_SIZE"]
+__all__ = ["TINY", "TINY_SIZE", "tiny_generator_spec"]
 
 _T5 = dict(vocab_size=64, d_model=32, d_ff=37, d_kv=8, num_heads=4, num_layers=2,
            relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
@@ -92,3 +92,17 @@ TINY_SIZE: dict[str, dict[str, int]] = {
     "flux": dict(height=16, width=16, max_sequence_length=16),
     "sana": dict(height=32, width=32, max_sequence_length=16),  # SanaPipeline needs multiples of 32
 }
+
+
+def tiny_generator_spec(family: str, prompt_cache_dir: str | None = None, **extra) -> dict:
+    """The ``generator:`` config block of a family's tiny random pipeline (float32, :data:`TINY` components at
+    :data:`TINY_SIZE`, no weights to load), for overriding a real-size config in tests; ``extra`` keys are added.
+
+    Raises:
+        KeyError: an unknown family (the keys of :data:`TINY`).
+    """
+    size = TINY_SIZE[family]
+    return {"pretrained": None, "components": TINY[family], "torch_dtype": "float32", "height": size["height"],
+            "width": size["width"], "num_frames": size.get("num_frames", 1),
+            "max_sequence_length": size.get("max_sequence_length", 16), "prompt_cache_dir": prompt_cache_dir,
+            **extra}
