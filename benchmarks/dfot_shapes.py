@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--root", default="/tmp/dfot_bench")
+    p.add_argument("--no-base", action="store_true", help="leave the base model out (it is evaluated by default)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     report: dict = {"args": vars(args), "threads": torch.get_num_threads(),
                     "command": "python benchmarks/dfot_shapes.py " + " ".join(sys.argv[1:] if argv is None else argv)}
-    models = {"base": str(ROOT / "assets/shapes-dit")}
+    models = {} if args.no_base else {"base": str(ROOT / "assets/shapes-dit")}
     if args.models is not None:  # given (even empty: the base model alone): no training
         models.update(dict(m.split("=", 1) for m in args.models))
     else:
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.history:
         report["continuation"]["real"] = continuation_metrics(verifier, real_c, real_c, cont_prompts, 2)
     dfot = [n for n in report["full"] if n != "base"]
-    if dfot:
+    if dfot and "base" in report["full"]:
         report["full_dfot_mean"] = {key: statistics.fmean(report["full"][n][key] for n in dfot)
                                     for key in report["full"]["base"]}
     if args.out:
