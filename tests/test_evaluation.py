@@ -351,15 +351,19 @@ def test_vbench_import_then_compare_with_native(tmp_path):
         import_results(f)
 
 
-def test_module_cli_help_and_errors(tmp_path):
-    env_cmd = [sys.executable, "-m", "evaluation"]
-    ok = subprocess.run(env_cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_module_cli_help_and_errors(tmp_path, capsys):
+    """``python -m evaluation`` as a real process once (the entry point), its commands in-process (the same
+    ``main``, without paying the interpreter start and imports again)."""
+    from evaluation.__main__ import main
+
+    ok = subprocess.run([sys.executable, "-m", "evaluation"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "compare" in ok.stdout and "vbench-import" in ok.stdout
-    bad = subprocess.run(env_cmd + ["run", "--videos", str(tmp_path / "missing"), "--dimension",
-                                    "temporal_flickering"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "does not exist" in bad.stderr
-    dims = subprocess.run(env_cmd + ["dimensions"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert dims.returncode == 0 and "dynamic_degree" in dims.stdout and "proxy" in dims.stdout
+    assert main(["run", "--videos", str(tmp_path / "missing"), "--dimension", "temporal_flickering"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["dimensions"]) == 0
+    out = capsys.readouterr().out
+    assert "dynamic_degree" in out and "proxy" in out
+    assert main(["no-such-command"]) == 2 and "unknown command 'no-such-command'" in capsys.readouterr().err
 
 
 def test_undefined_metrics_print_n_a_and_bounded_scores_keep_their_bars_in_0_1(tmp_path, monkeypatch):
