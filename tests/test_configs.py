@@ -32,6 +32,7 @@ COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/sol_rl/fake_nvfp4.yaml": "configs/sol_rl/shapes.yaml",
             "configs/tiny/sol_rl.yaml": "configs/sol_rl/shapes.yaml",
             "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml",
+            "configs/dfot/shapes_wrap.yaml": "configs/dfot/shapes.yaml",
             # trainer profiles (configs/trainer/) are composed after a recipe
             **{f"configs/trainer/{p.name}": "configs/quickstart.yaml"
                for p in (ROOT / "configs/trainer").glob("*.yaml")}}

@@ -22,6 +22,13 @@ Geometry and units:
   8 frames, which fits a 16 x 16 frame (fast needs ``7 * 1.2 + 6 = 14.4 <= 16`` px) and keeps the two
   speeds 0.6 px/frame apart for the verifier. At a larger resolution raise them yourself if you want the
   same relative motion; :class:`ShapesWorldConfig` refuses values whose path leaves the frame.
+* Boundary (``ShapesWorldConfig.boundary``): ``"inside"`` (the default) keeps the whole path inside the frame, so
+  a video is at most about 8 frames long at the default speeds; ``"wrap"`` makes the frame a torus (x modulo
+  ``width``, y modulo ``height``): the start is uniform over the frame, an object crossing the right edge reappears
+  on the left, and any ``num_frames`` / speed is allowed (long rollouts of history-guided sampling are scored on
+  it). :func:`start_position` is the start :func:`render` draws, :func:`render_at` renders from a given start,
+  :func:`centroid_path` gives the analytic (wrapped) position of the object over any number of frames and
+  :func:`position_error` the shortest (wrapped) distance between two positions.
 
 Captions (``caption`` / ``parse_caption`` are exact inverses):
 
@@ -64,6 +71,12 @@ __all__ = [
     "parse_caption",
     "render",
     "trajectory",
+    "BOUNDARIES",
+    "start_position",
+    "render_at",
+    "centroid_path",
+    "wrapped_delta",
+    "position_error",
     "combos",
     "heldout_combos",
     "is_heldout",
@@ -108,6 +121,9 @@ DIRECTION_VECTORS: dict[str, tuple[float, float]] = {
 #: Known speed names and the adverb captions use for them.
 SPEED_ADVERBS: dict[str, str] = {"slow": "slowly", "medium": "steadily", "fast": "quickly"}
 
+#: Known frame boundaries: "inside" (the path stays inside the frame) and "wrap" (the frame is a torus).
+BOUNDARIES: tuple[str, ...] = ("inside", "wrap")
+
 _SUPERSAMPLE = 4
 
 
@@ -137,12 +153,18 @@ class ShapesWorldConfig:
         multi_step_prob: fraction of video captions with two motion segments (needs num_frames >= 4 and two
             directions when > 0; ignored in image mode).
         heldout_fraction: fraction of (color, shape, direction) combinations held out of training, in [0, 0.5].
+        boundary: one of :data:`BOUNDARIES`. ``"inside"``: every frame's bounding box stays inside the frame (the
+            start is drawn among the positions that keep it there). ``"wrap"``: the frame is a torus (x modulo
+            ``width``, y modulo ``height``); the start is uniform over the whole frame, the part of the object
+            past an edge is drawn at the opposite edge, and the travel check below is skipped (any
+            ``num_frames`` and speed).
 
     Raises:
         ValueError: an unknown or duplicated word (the message names it and lists the known ones), a
             non-positive or duplicated speed, an object larger than the frame, a motion path that leaves the
-            frame (``(num_frames - 1) * max(speeds) + object_size > min(height, width)``), or a probability /
-            fraction out of range.
+            frame on an ``"inside"`` world (``(num_frames - 1) * max(speeds) + object_size > min(height,
+            width)``), a probability / fraction out of range, or an unknown ``boundary`` (named with the known
+            ones).
     """
 
     height: int = 16
@@ -155,6 +177,7 @@ class ShapesWorldConfig:
     object_size: float = 6.0
     multi_step_prob: float = 0.2
     heldout_fraction: float = 0.15
+    boundary: str = "inside"
 
     def __post_init__(self) -> None:
         self.colors = [str(c).lower() for c in self.colors]
@@ -182,6 +205,11 @@ class ShapesWorldConfig:
             raise ValueError(f"multi_step_prob must be in [0, 1], got {self.multi_step_prob}")
         if not 0.0 <= self.heldout_fraction <= 0.5:
             raise ValueError(f"heldout_fraction must be in [0, 0.5], got {self.heldout_fraction}")
+        if not isinstance(self.boundary, str) or self.boundary not in BOUNDARIES:
+            raise ValueError(
+                f"unknown boundary {self.boundary!r} in ShapesWorldConfig; known boundaries: {', '.join(BOUNDARIES)} "
+                f"('inside': the path stays inside the frame, 'wrap': the frame is a torus)"
+            )
         if self.image_mode:
             return
         for name in self.speeds:
@@ -197,11 +225,11 @@ class ShapesWorldConfig:
         if any(b - a < 1e-6 for a, b in zip(values, values[1:])):
             raise ValueError(f"speeds must be distinct, got {self.speeds}")
         travel = (self.num_frames - 1) * values[-1]
-        if travel + self.object_size > side:
+        if self.boundary == "inside" and travel + self.object_size > side:
             raise ValueError(
                 f"a {self.object_size:g} px object moving {values[-1]:g} px/frame for {self.num_frames} frames "
                 f"travels {travel:g} px and leaves a {self.height}x{self.width} frame; lower the speeds, "
-                f"object_size or num_frames, or raise the resolution"
+                f"object_size or num_frames, raise the resolution, or use boundary='wrap' (a torus frame)"
             )
         if self.multi_step_prob > 0:
             if self.num_frames < 4:
@@ -376,29 +404,77 @@ def trajectory(spec: ShapeSpec, config: ShapesWorldConfig) -> Tensor:
 
     Single segment: ``p(t) = v t``. Two segments: ``p(t) = v1 min(t, m) + v2 max(t - m, 0)`` with
     ``m = (T - 1) / 2``, so frames ``t <= m`` follow direction 1 and frames ``t >= m`` direction 2. Speeds:
-    the named speed, else the mean of the configured speeds.
+    the named speed, else the mean of the configured speeds. The offsets are not wrapped (on a ``"wrap"`` world
+    they may exceed the frame; :func:`centroid_path` gives the wrapped positions).
     """
-    t = torch.arange(config.num_frames, dtype=torch.float64)
-    out = torch.zeros(config.num_frames, 2, dtype=torch.float64)
+    return _offsets(spec, config, config.num_frames)
+
+
+def _offsets(spec: ShapeSpec, config: ShapesWorldConfig, num_frames: int) -> Tensor:
+    """:func:`trajectory` for ``num_frames`` frames (the two-segment midpoint is ``(num_frames - 1) / 2``)."""
+    t = torch.arange(num_frames, dtype=torch.float64)
+    out = torch.zeros(num_frames, 2, dtype=torch.float64)
     if not spec.directions or config.image_mode:
         return out.float()
     v = config.speeds[spec.speed] if spec.speed is not None else config.mean_speed
     u1 = torch.tensor(DIRECTION_VECTORS[spec.directions[0]], dtype=torch.float64)
     if len(spec.directions) == 1:
         return (v * t[:, None] * u1).float()
-    m = (config.num_frames - 1) / 2
+    m = (num_frames - 1) / 2
     u2 = torch.tensor(DIRECTION_VECTORS[spec.directions[1]], dtype=torch.float64)
     out = v * (t.clamp(max=m)[:, None] * u1 + (t - m).clamp(min=0)[:, None] * u2)
     return out.float()
 
 
+def wrapped_delta(delta: Tensor, period: float | Tensor) -> Tensor:
+    """``delta`` brought to the nearest periodic image: ``delta - period * floor(delta / period + 1/2)``, in
+    ``[-period / 2, period / 2)``; entries already in that range come back bit for bit.
+
+    Args:
+        delta: float differences of positions (pixels), any shape.
+        period: the period in pixels (> 0), a float or a tensor broadcastable to ``delta`` (e.g. ``[W, H]`` for
+            (x, y) pairs in the last axis).
+    """
+    return delta - period * torch.floor(delta / period + 0.5)
+
+
+def _frame_size(config: ShapesWorldConfig, like: Tensor | None = None) -> Tensor:
+    """``[width, height]`` float32 (x, y order), on ``like``'s device / dtype when given."""
+    size = torch.tensor([config.width, config.height], dtype=torch.float32)
+    return size if like is None else size.to(device=like.device, dtype=like.dtype)
+
+
+def position_error(a: Tensor, b: Tensor, config: ShapesWorldConfig) -> Tensor:
+    """Euclidean distance in pixels between positions ``a`` and ``b`` (float ``[..., 2]`` as (x, y), broadcastable).
+
+    On a ``"wrap"`` world the shortest distance on the torus (each axis difference taken to the nearest periodic
+    image, :func:`wrapped_delta`, so it is at most ``hypot(W, H) / 2``); on an ``"inside"`` world the plain
+    distance. Returns float ``[...]`` in ``a``'s dtype.
+
+    Raises:
+        ValueError: a last axis that is not 2.
+    """
+    if a.shape[-1] != 2 or b.shape[-1] != 2:
+        raise ValueError(f"positions must be [..., 2] (x, y), got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    d = a - b
+    if config.boundary == "wrap":
+        d = wrapped_delta(d, _frame_size(config, d))
+    return d.norm(dim=-1)
+
+
 def _coverage(shape: str, centers: Tensor, config: ShapesWorldConfig) -> Tensor:
-    """Anti-aliased coverage ``[T, H, W]`` in [0, 1] of a shape whose box centers are ``centers`` [T, 2]."""
+    """Anti-aliased coverage ``[T, H, W]`` in [0, 1] of a shape whose box centers are ``centers`` [T, 2].
+
+    On a ``"wrap"`` world the offsets of the supersample points from the center are taken to their nearest
+    periodic image, so the part of the shape past an edge is drawn at the opposite edge.
+    """
     s, k = float(config.object_size), _SUPERSAMPLE
     xs = (torch.arange(config.width * k, dtype=torch.float32) + 0.5) / k
     ys = (torch.arange(config.height * k, dtype=torch.float32) + 0.5) / k
     dx = xs[None, None, :] - centers[:, 0, None, None]  # [T, 1, Wk]
     dy = ys[None, :, None] - centers[:, 1, None, None]  # [T, Hk, 1]
+    if config.boundary == "wrap":
+        dx, dy = wrapped_delta(dx, float(config.width)), wrapped_delta(dy, float(config.height))
     h = s / 2
     if shape == "circle":
         inside = dx * dx + dy * dy <= h * h
@@ -414,11 +490,65 @@ def _coverage(shape: str, centers: Tensor, config: ShapesWorldConfig) -> Tensor:
     return torch.nn.functional.avg_pool2d(inside[:, None], k)[:, 0]
 
 
+def _check_spec(spec: ShapeSpec, config: ShapesWorldConfig) -> None:
+    if spec.color not in config.colors:
+        raise ValueError(f"unknown color {spec.color!r}; known colors: {', '.join(config.colors)}")
+    if spec.shape not in config.shapes:
+        raise ValueError(f"unknown shape {spec.shape!r}; known shapes: {', '.join(config.shapes)}")
+    for d in spec.directions:
+        if d not in config.directions:
+            raise ValueError(f"unknown direction {d!r}; known directions: {', '.join(config.directions)}")
+    if spec.speed is not None and spec.speed not in config.speeds:
+        raise ValueError(f"unknown speed {spec.speed!r}; known speeds: {', '.join(config.speeds)}")
+    if config.image_mode and spec.directions:
+        raise ValueError(f"image mode (num_frames=1) cannot render motion {spec.directions}")
+
+
+def _draw_start(spec: ShapeSpec, config: ShapesWorldConfig, offsets: Tensor, generator: torch.Generator) -> Tensor:
+    """The frame-0 box center [2] of :func:`render` (two ``torch.rand`` draws from ``generator``)."""
+    size = _frame_size(config)
+    if config.boundary == "wrap":
+        return size * torch.rand(2, generator=generator)
+    h = config.object_size / 2
+    lo, hi = offsets.min(0).values, offsets.max(0).values
+    low = h - lo
+    room = (size - h - hi) - low
+    if (room < -1e-5).any():
+        raise ValueError(f"the trajectory of {spec} does not fit a {config.height}x{config.width} frame")
+    return low + room.clamp(min=0) * torch.rand(2, generator=generator)
+
+
+def _draw(spec: ShapeSpec, config: ShapesWorldConfig, start: Tensor, offsets: Tensor) -> Tensor:
+    centers = start[None] + offsets  # [T, 2]
+    if config.boundary == "wrap":  # positions in [0, W) x [0, H): unchanged when already there
+        centers = torch.remainder(centers, _frame_size(config))
+    cov = _coverage(spec.shape, centers, config)  # [T, H, W]
+    color = torch.tensor(PALETTE[spec.color], dtype=torch.float32)
+    return (cov[:, None] * color[None, :, None, None]).clamp_(0.0, 1.0).contiguous()
+
+
+def start_position(spec: ShapeSpec, config: ShapesWorldConfig, generator: torch.Generator) -> Tensor:
+    """The frame-0 box center that :func:`render` draws from ``generator`` in this state, float32 ``[2]`` (x, y)
+    in pixels; it makes the same two ``torch.rand`` draws, so ``render(spec, config, g)`` equals
+    ``render_at(spec, config, start_position(spec, config, g2))`` for two generators in the same state.
+
+    ``"inside"``: uniform among the starts that keep the whole path inside the frame. ``"wrap"``: uniform over
+    ``[0, W) x [0, H)``.
+
+    Raises:
+        ValueError: as :func:`render`.
+    """
+    _check_spec(spec, config)
+    return _draw_start(spec, config, trajectory(spec, config), generator)
+
+
 def render(spec: ShapeSpec, config: ShapesWorldConfig, generator: torch.Generator) -> Tensor:
     """Render one video of ``spec``.
 
-    The start position is drawn uniformly (two ``torch.rand`` draws from ``generator``) among the positions
-    that keep the whole trajectory's bounding boxes inside the frame.
+    The start position is drawn uniformly (two ``torch.rand`` draws from ``generator``, :func:`start_position`):
+    on an ``"inside"`` world among the positions that keep the whole trajectory's bounding boxes inside the frame,
+    on a ``"wrap"`` world over the whole frame (the object wraps around the edges, see
+    :class:`ShapesWorldConfig`).
 
     Args:
         spec: what to draw; its words must be in ``config``.
@@ -431,29 +561,83 @@ def render(spec: ShapeSpec, config: ShapesWorldConfig, generator: torch.Generato
     Raises:
         ValueError: a word of ``spec`` that ``config`` does not allow, or motion in image mode.
     """
-    if spec.color not in config.colors:
-        raise ValueError(f"unknown color {spec.color!r}; known colors: {', '.join(config.colors)}")
-    if spec.shape not in config.shapes:
-        raise ValueError(f"unknown shape {spec.shape!r}; known shapes: {', '.join(config.shapes)}")
-    for d in spec.directions:
-        if d not in config.directions:
-            raise ValueError(f"unknown direction {d!r}; known directions: {', '.join(config.directions)}")
-    if spec.speed is not None and spec.speed not in config.speeds:
-        raise ValueError(f"unknown speed {spec.speed!r}; known speeds: {', '.join(config.speeds)}")
-    if config.image_mode and spec.directions:
-        raise ValueError(f"image mode (num_frames=1) cannot render motion {spec.directions}")
+    _check_spec(spec, config)
     offsets = trajectory(spec, config)  # [T, 2]
-    h = config.object_size / 2
-    lo, hi = offsets.min(0).values, offsets.max(0).values
-    size = torch.tensor([config.width, config.height], dtype=torch.float32)
-    low = h - lo
-    room = (size - h - hi) - low
-    if (room < -1e-5).any():
-        raise ValueError(f"the trajectory of {spec} does not fit a {config.height}x{config.width} frame")
-    start = low + room.clamp(min=0) * torch.rand(2, generator=generator)
-    cov = _coverage(spec.shape, start[None] + offsets, config)  # [T, H, W]
-    color = torch.tensor(PALETTE[spec.color], dtype=torch.float32)
-    return (cov[:, None] * color[None, :, None, None]).clamp_(0.0, 1.0).contiguous()
+    start = _draw_start(spec, config, offsets, generator)
+    return _draw(spec, config, start, offsets)
+
+
+def render_at(spec: ShapeSpec, config: ShapesWorldConfig, start: Tensor | tuple[float, float]) -> Tensor:
+    """Render ``spec`` with its frame-0 box center at ``start`` (no randomness): :func:`render` with a given start.
+
+    Args:
+        spec: what to draw; its words must be in ``config``.
+        config: the world (``num_frames`` frames; on a ``"wrap"`` world any number, e.g.
+            ``dataclasses.replace(world, num_frames=64)`` for a long real continuation).
+        start: (x, y) in pixels, a float tensor [2] or a pair. ``"wrap"``: any value (taken modulo the frame).
+
+    Returns:
+        float32 ``[T, 3, H, W]`` in [0, 1] (black background).
+
+    Raises:
+        ValueError: as :func:`render`; a ``start`` that is not two finite numbers; on an ``"inside"`` world a
+            start whose path leaves the frame (the message gives the allowed range).
+    """
+    _check_spec(spec, config)
+    start = torch.as_tensor(start, dtype=torch.float32).flatten()
+    if start.numel() != 2 or not torch.isfinite(start).all():
+        raise ValueError(f"start must be two finite numbers (x, y) in pixels, got {start.tolist()}")
+    offsets = trajectory(spec, config)
+    if config.boundary == "inside":
+        h = config.object_size / 2
+        low = h - offsets.min(0).values
+        high = _frame_size(config) - h - offsets.max(0).values
+        if ((start < low - 1e-5) | (start > high + 1e-5)).any():
+            raise ValueError(
+                f"start {start.tolist()} puts the path of {spec} outside the {config.height}x{config.width} frame of "
+                f"an 'inside' world; use x in [{float(low[0]):g}, {float(high[0]):g}] and y in "
+                f"[{float(low[1]):g}, {float(high[1]):g}], or boundary='wrap'"
+            )
+    return _draw(spec, config, start, offsets)
+
+
+def centroid_path(
+    spec: ShapeSpec, config: ShapesWorldConfig, start: Tensor | tuple[float, float], num_frames: int | None = None
+) -> Tensor:
+    """The analytic position of the object's area centroid over ``num_frames`` frames, float32 ``[T, 2]`` (x, y) in
+    pixels: ``start`` (the frame-0 box center, as :func:`start_position` / :func:`render_at`) plus the trajectory
+    offsets (:func:`trajectory` for T frames; a two-segment spec turns at ``(T - 1) / 2``), plus the shape's
+    centroid offset within its box (``(0, object_size / 6)`` below the center for the upward triangle, zero for the
+    symmetric shapes).
+
+    On a ``"wrap"`` world the positions are taken modulo the frame, in ``[0, W) x [0, H)`` (compare with
+    :func:`position_error`); on an ``"inside"`` world they are not reduced (and describe a rendered video only while
+    the path fits the frame). The verifier's measured centroid (:meth:`genrl.rewards.ShapesVerifier.measure`) follows
+    it within about 0.2 px on clean renders (its foreground threshold on anti-aliased edges; largest for squares).
+
+    Args:
+        spec: the sample's spec (its words in ``config``).
+        config: the world.
+        start: (x, y) of the box center at frame 0, a float tensor [2] or a pair.
+        num_frames: T (>= 1); default ``config.num_frames``. A real continuation of a video's first k frames over
+            T frames is frames ``k..T-1`` of the path of T frames.
+
+    Raises:
+        ValueError: ``num_frames < 1``, a ``start`` that is not two finite numbers, or a word of ``spec`` that
+            ``config`` does not allow.
+    """
+    _check_spec(spec, config)
+    n = config.num_frames if num_frames is None else num_frames
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_frames must be an int >= 1, got {num_frames!r}")
+    start = torch.as_tensor(start, dtype=torch.float32).flatten()
+    if start.numel() != 2 or not torch.isfinite(start).all():
+        raise ValueError(f"start must be two finite numbers (x, y) in pixels, got {start.tolist()}")
+    shift = torch.tensor([0.0, config.object_size / 6 if spec.shape == "triangle" else 0.0])
+    path = start[None] + _offsets(spec, config, n) + shift
+    if config.boundary == "wrap":
+        path = torch.remainder(path, _frame_size(config))
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- splits

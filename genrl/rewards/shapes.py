@@ -25,6 +25,18 @@ centroid (so stray blobs and noise far from the object do not move it). From the
 * **consistency**: ``exp(-(r_mass^2 + r_color^2) / (2 * 0.2^2))`` with ``r_mass`` the relative std of the
   per-frame foreground mass over all frames and ``r_color`` the RMS deviation of per-frame chroma.
 
+**Wrapping worlds** (``boundary="wrap"``, a torus frame): an object crossing an edge is split between opposite
+edges, so the centroid is a **circular mean** per axis (the mass-weighted mean of the angles ``2 pi x / W``, through
+``atan2``, back to pixels in ``[0, W)``); the window and the shape moments use offsets from the centroid taken to
+their nearest periodic image; and the centroid track is **unwrapped** before the least-squares velocity (the
+differences between successive non-empty frames brought into ``[-W/2, W/2)``, then summed), so motion is read
+correctly across the edge while it stays under half a frame per frame. Shape prototypes are calibrated on renders of
+the same (wrapping) world. On the default ``"inside"`` world none of this applies and the computation is the plain
+one above.
+
+Long videos (history-guided rollouts many times a model's window) are scored window by window with
+:func:`score_windows`.
+
 Each attribute score is the soft probability of the caption's class: ``softmax_k(-d_k^2 / tau)`` over the
 configured classes, ``d_k`` the distance to class k's prototype(s). ``tau = D^2 / ln((K - 1) / 0.01)`` with
 D the smallest distance between two classes' prototypes, so a sample exactly at its prototype scores
@@ -71,11 +83,12 @@ from genrl.data.shapes import (
     parse_caption,
     render,
     sample_seed,
+    wrapped_delta,
 )
 from genrl.rewards.base import RewardModel
 from genrl.rewards.registry import register_reward
 
-__all__ = ["ShapesVerifier", "ShapesVideoReward"]
+__all__ = ["ShapesVerifier", "ShapesVideoReward", "score_windows"]
 
 _THRESHOLD = 0.1  # foreground margin above the per-frame median intensity
 _EMPTY_FRACTION = 0.2  # a frame is empty below this fraction of the smallest calibrated object mass
@@ -85,6 +98,34 @@ _FEATURE_FLOOR = 0.1  # minimum feature scale (features are dimensionless, O(1))
 
 def _softmax_neg(d2: Tensor, tau: float) -> Tensor:
     return torch.softmax(-d2 / tau, dim=-1)
+
+
+def _circular_mean(profile: Tensor, coords: Tensor, period: float) -> Tensor:
+    """Circular mean [...] of positions ``coords`` [N] (pixels) weighted by ``profile`` [..., N], in ``[0, period)``.
+
+    The weights' mean direction of the angles ``2 pi coords / period`` (``atan2`` of their weighted sine and cosine
+    sums), converted back to pixels. Where both sums are 0 (no weight) the result is 0 with finite gradients.
+    """
+    angle = coords * (2 * math.pi / period)
+    s = (profile * torch.sin(angle)).sum(-1)
+    c = (profile * torch.cos(angle)).sum(-1)
+    empty = (s == 0) & (c == 0)
+    mean = torch.atan2(s, torch.where(empty, torch.ones_like(c), c))
+    return torch.remainder(mean * (period / (2 * math.pi)), period)
+
+
+def _unwrap(track: Tensor, mask: Tensor, period: Tensor) -> Tensor:
+    """Unwrap a track [B, T, 2] of positions modulo ``period`` [2] (x, y) over the frames where ``mask`` [B, T].
+
+    Frames outside the mask take the position of the last frame inside it (or their own, before the first), then the
+    successive differences are brought into ``[-period/2, period/2)`` and summed from frame 0. On the masked frames
+    the result equals ``track`` modulo ``period`` and moves by less than half a period between consecutive ones.
+    """
+    t = torch.arange(track.shape[1], device=track.device)
+    last = torch.where(mask, t, torch.zeros_like(t)).cummax(dim=1).values  # [B, T]
+    filled = track.gather(1, last[..., None].expand(-1, -1, track.shape[-1]))
+    steps = wrapped_delta(filled[:, 1:] - filled[:, :-1], period)
+    return torch.cat([filled[:, :1], filled[:, :1] + steps.cumsum(1)], dim=1)
 
 
 def _tau(dmin: float, k: int, eps: float) -> float:
@@ -102,7 +143,8 @@ class ShapesVerifier(RewardModel):
     Args:
         world: the world the videos come from (a :class:`~genrl.data.shapes.ShapesWorldConfig`, a dict of
             its fields, or None for the default). Its vocabulary defines the classes; its resolution and
-            object size the calibration.
+            object size the calibration; its ``boundary`` whether positions wrap around the frame (a
+            ``"wrap"`` world: circular centroids and unwrapped tracks, see the module docstring).
         scale, shift: affine on ``"reward"``.
         calibration_samples: renders per shape used to build the shape prototypes (deterministic).
 
@@ -228,8 +270,11 @@ class ShapesVerifier(RewardModel):
 
         Returns:
             dict of ``mass`` [B, T] (foreground weight per frame), ``nonempty`` bool [B, T], ``centroid``
-            [B, T, 2] (x, y in pixels), ``chroma`` [B, 3] (video color, max-channel-normalised),
-            ``frame_chroma`` [B, T, 3], ``shape_features`` [B, 2] (anisotropy, vertical skewness).
+            [B, T, 2] (x, y in pixels; on a ``"wrap"`` world the circular mean, in ``[0, W) x [0, H)``), ``track``
+            [B, T, 2] (the centroid track the velocities are fitted to: on a ``"wrap"`` world unwrapped over the
+            non-empty frames, so it may leave the frame; else the centroid itself), ``chroma`` [B, 3] (video color,
+            max-channel-normalised), ``frame_chroma`` [B, T, 3], ``shape_features`` [B, 2] (anisotropy, vertical
+            skewness).
         """
         x = pixels.float()
         b, t, _, h, wd = x.shape
@@ -238,12 +283,20 @@ class ShapesVerifier(RewardModel):
         w = (v - bg[..., None, None] - _THRESHOLD).clamp(min=0)
         xs = torch.arange(wd, dtype=x.dtype, device=x.device) + 0.5
         ys = torch.arange(h, dtype=x.dtype, device=x.device) + 0.5
+        wrap = self.world.boundary == "wrap"
+
+        def offset(d: Tensor, period: int) -> Tensor:  # a coordinate minus the centroid (nearest image when wrapping)
+            return wrapped_delta(d, float(period)) if wrap else d
 
         def centroid(weights: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             m = weights.sum(dim=(-2, -1))
             safe = m.clamp(min=1e-8)
-            cx = (weights.sum(-2) * xs).sum(-1) / safe
-            cy = (weights.sum(-1) * ys).sum(-1) / safe
+            if wrap:
+                cx = _circular_mean(weights.sum(-2), xs, float(wd))
+                cy = _circular_mean(weights.sum(-1), ys, float(h))
+            else:
+                cx = (weights.sum(-2) * xs).sum(-1) / safe
+                cy = (weights.sum(-1) * ys).sum(-1) / safe
             cx = torch.where(m > 0, cx, torch.full_like(cx, wd / 2))
             cy = torch.where(m > 0, cy, torch.full_like(cy, h / 2))
             return m, cx, cy
@@ -251,7 +304,8 @@ class ShapesVerifier(RewardModel):
         _, cx, cy = centroid(w)
         r = self.world.object_size / 2 + 1.5
         for _ in range(2):
-            win = ((xs - cx[..., None]).abs() <= r)[..., None, :] & ((ys - cy[..., None]).abs() <= r)[..., :, None]
+            win = ((offset(xs - cx[..., None], wd).abs() <= r)[..., None, :]
+                   & (offset(ys - cy[..., None], h).abs() <= r)[..., :, None])
             ww = w * win
             mass, cx, cy = centroid(ww)
         safe = mass.clamp(min=1e-8)
@@ -266,8 +320,8 @@ class ShapesVerifier(RewardModel):
         chroma = (fw[..., None] * frame_chroma).sum(1) / fw.sum(1).clamp(min=1e-8)[:, None]
 
         # shape: central moments of the windowed weights
-        dx = (xs - cx[..., None])[..., None, :]  # [B, T, 1, W]
-        dy = (ys - cy[..., None])[..., :, None]  # [B, T, H, 1]
+        dx = offset(xs - cx[..., None], wd)[..., None, :]  # [B, T, 1, W]
+        dy = offset(ys - cy[..., None], h)[..., :, None]  # [B, T, H, 1]
 
         def e(f: Tensor) -> Tensor:
             return (ww * f).sum(dim=(-2, -1)) / safe
@@ -279,10 +333,13 @@ class ShapesVerifier(RewardModel):
         skew = y3 / y2.clamp(min=1e-8) ** 1.5
         frame_feats = torch.stack([aniso, skew], dim=-1)  # [B, T, 2]
         shape_features = (fw[..., None] * frame_feats).sum(1) / fw.sum(1).clamp(min=1e-8)[:, None]
+        cen = torch.stack([cx, cy], dim=-1)
+        track = _unwrap(cen, nonempty, cen.new_tensor([float(wd), float(h)])) if wrap else cen
         return {
             "mass": mass,
             "nonempty": nonempty,
-            "centroid": torch.stack([cx, cy], dim=-1),
+            "centroid": cen,
+            "track": track,
             "chroma": chroma,
             "frame_chroma": frame_chroma,
             "shape_features": shape_features,
@@ -360,7 +417,7 @@ class ShapesVerifier(RewardModel):
         # motion
         direction, speed, steps = nan.clone(), nan.clone(), nan.clone()
         if t > 1:
-            cen = m["centroid"]
+            cen = m["track"]  # the centroid; unwrapped on a wrapping world
             tt = torch.arange(t, device=dev, dtype=cen.dtype)
             mid = (t - 1) / 2
             v_all, ok_all = self._velocity(cen, nonempty)
@@ -476,3 +533,55 @@ class ShapesVideoReward(RewardModel):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, world={self.verifier.world.height}x{self.verifier.world.width}"
+
+
+def score_windows(
+    verifier: RewardModel, video: Tensor, prompts: list[str], window: int, stride: int | None = None
+) -> dict[str, Tensor]:
+    """Score a long video window by window: every key of ``verifier`` per window, ``[B, n_windows]``.
+
+    A history-guided rollout many times a model's window long (``genrl.rollout.history_rollout``) cannot be scored by
+    a verifier built for clips of ``window`` frames as a whole; this scores frames ``[k * stride, k * stride +
+    window)`` for ``k = 0 .. n_windows - 1``, ``n_windows = (T - window) // stride + 1`` (the last
+    ``(T - window) % stride`` frames are left out when the stride does not divide), each with the full caption. Use
+    single-step captions (a two-segment caption's turn is at the middle of each window, not of the video) and, for
+    the shapes world, a ``"wrap"`` world so the object may travel any distance.
+
+    Args:
+        verifier: a reward following genrl's protocol (``verifier(pixels, prompts) -> dict[str, Tensor[B]]``),
+            typically a :class:`ShapesVerifier` whose world has ``num_frames == window``.
+        video: float ``[B, T, C, H, W]`` in [0, 1] (decoded pixels, e.g. ``generator.decode(sample.video)``;
+            [-1, 1] or uint8 pixels are refused by the verifier's input check).
+        prompts: B captions, one per video.
+        window: frames per window, ``1 <= window <= T``.
+        stride: frames between the starts of consecutive windows (>= 1); default ``window`` (disjoint windows).
+
+    Returns:
+        ``{key: Tensor [B, n_windows]}`` for every key the verifier returns, in its dtype (float32 scores, bool
+        ``"valid"``); column k is window k. NaN keeps the verifier's meaning (not stated / invalid).
+
+    Raises:
+        ValueError: ``video`` not of rank 5; ``window`` or ``stride`` not an int in range (the message gives T); a
+            verifier with a ``world`` whose ``num_frames`` differs from ``window`` (build it with
+            ``num_frames=window``); plus the verifier's own input checks.
+    """
+    if not isinstance(video, Tensor) or video.ndim != 5:
+        shape = tuple(video.shape) if isinstance(video, Tensor) else type(video).__name__
+        raise ValueError(f"score_windows: video must be a tensor [B, T, C, H, W], got {shape}")
+    t = video.shape[1]
+    stride = window if stride is None else stride
+    for name, value in (("window", window), ("stride", stride)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"score_windows: {name} must be an int >= 1, got {value!r}")
+    if window > t:
+        raise ValueError(f"score_windows: window={window} frames is longer than the video (T={t}); use window <= {t}")
+    world = getattr(verifier, "world", None)
+    frames = getattr(world, "num_frames", None)
+    if frames is not None and frames != window:
+        raise ValueError(
+            f"score_windows: the verifier's world has num_frames={frames} but window={window}; build the verifier "
+            f"with num_frames={window} (e.g. ShapesVerifier(dataclasses.replace(world, num_frames={window}))) or "
+            f"use window={frames}"
+        )
+    per_window = [verifier(video[:, s:s + window], list(prompts)) for s in range(0, t - window + 1, stride)]
+    return {key: torch.stack([out[key] for out in per_window], dim=1) for key in per_window[0]}
