@@ -47,16 +47,19 @@ RULES: dict[str, dict] = {
 FROZEN_PX_PER_FRAME = 0.25
 
 
-def train(seed: int, steps: int, mode: str, root: Path) -> tuple[str, float]:
-    """One diffusion-forcing fine-tune in its own folder; returns (its EMA export, wall seconds)."""
+def train(seed: int, steps: int, mode: str, root: Path, overlays: tuple[str, ...] = ()) -> tuple[str, float]:
+    """One diffusion-forcing fine-tune in its own folder (``overlays``: configs layered over
+    configs/dfot/shapes.yaml, relative to the repository); returns (its EMA export, wall seconds)."""
     from fit_runs import fit_in
 
-    args = ["fit", "--config", str(ROOT / "configs/dfot/shapes.yaml"),
+    layered = [a for o in overlays for a in ("--config", str(ROOT / o))]
+    args = ["fit", "--config", str(ROOT / "configs/dfot/shapes.yaml"), *layered,
             f"--model.init_args.generator.pretrained={ROOT / 'assets/shapes-dit'}", f"--seed_everything={seed}",
             f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}", f"--trainer.max_steps={steps}",
             f"--model.init_args.diffusion_forcing={mode}", "--trainer.limit_val_batches=0",
             "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
-    return fit_in(root / f"{mode}_s{seed}", args)
+    tag = "".join(f"_{Path(o).stem}" for o in overlays)
+    return fit_in(root / f"{mode}{tag}_s{seed}", args)
 
 
 def _velocity(centroid: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
