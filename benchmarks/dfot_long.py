@@ -38,13 +38,14 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-#: name -> HistoryGuidance kwargs (text CFG 3 is part of every rule, as in benchmarks/dfot_shapes.py)
+from dfot_shapes import RULES as SHORT_RULES  # noqa: E402 (benchmarks/ is on the path from here on)
+
+#: name -> HistoryGuidance kwargs: benchmarks/dfot_shapes.py's rules (text CFG 3 is part of every rule) that the
+#: long rollouts run, plus DFoT's stabilized vanilla guidance (generated history seen at sigma 0.02)
 RULES: dict[str, dict] = {
-    "conditional": {"kind": "conditional", "text_scale": 3.0},
-    "vanilla_w3": {"kind": "vanilla", "scale": 3.0},
-    "vanilla_w6": {"kind": "vanilla", "scale": 6.0},
-    "stabilized_vanilla_w3": {"kind": "vanilla", "scale": 3.0, "stabilization": 0.02},
-    "fractional_w3_k0.4": {"kind": "fractional", "scale": 3.0, "fractional_sigma": 0.4},
+    **{name: SHORT_RULES[name] for name in ("conditional", "vanilla_w3", "vanilla_w6")},
+    "stabilized_vanilla_w3": {**SHORT_RULES["vanilla_w3"], "stabilization": 0.02},
+    "fractional_w3_k0.4": SHORT_RULES["fractional_w3_k0.4"],
 }
 WINDOW = 8
 FROZEN_PX_PER_FRAME = 0.25
