@@ -76,6 +76,7 @@ def _same_trajectory(a, b, atol: float = 0.0) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- (a) equality
+@pytest.mark.slow  # 15-20 s warm, more on a cold inductor cache: kept out of the default suite's budget
 def test_compiled_lora_rollout_and_training_step_equal_eager_bitwise(tiny_policy, tiny_text_encoder):
     """backend aot_eager: the compiled graph (LoRA adapter included, added after compile() but before the first
     call) gives the eager rollout bit for bit, then the eager log-probs and LoRA gradients of a training step."""
@@ -106,6 +107,7 @@ def test_compiled_lora_rollout_and_training_step_equal_eager_bitwise(tiny_policy
         assert torch.equal(grads[0][n], grads[1][n]), n
 
 
+@pytest.mark.slow  # 15-20 s warm, more on a cold inductor cache: kept out of the default suite's budget
 def test_reference_rollout_and_lagged_copies_of_a_compiled_policy(tiny_policy, tiny_text_encoder):
     """Deep copies drop torch.compile (nn.Module.__getstate__): the reference policy and the rollout copy are
     compiled again like the policy (compile_like) and compute what eager copies compute; the lagged copy's swapped

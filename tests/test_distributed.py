@@ -226,6 +226,7 @@ def test_fsdp2_wan_lora_checkpoint_exports_a_pipeline_that_samples_like_one_proc
     assert float((videos["one"] - base).abs().max()) > 1e-3, "the export should hold the trained weights"
 
 
+@pytest.mark.slow  # two processes, 21 s; NaN rewards are also covered single-process (test_ram, test_grpo)
 def test_a_rank_with_only_nan_rewards_completes(tmp_path, tiny_policy, tiny_text_encoder):
     folder = run("grpo", "ddp", tmp_path, tiny_policy, tiny_text_encoder, steps=2, ema=False,
                  extra=["--model.init_args.rewards=[{name: test_nan_on_rank1}]"])
