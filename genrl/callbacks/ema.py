@@ -31,7 +31,8 @@ class EMA(Callback):
         warmup: use the (1 + t) / (10 + t) warm-up of the decay.
         validate_with_ema: swap the EMA weights in during validation.
         include: only parameters whose name starts with this prefix (e.g. ``"generator."``: the student of DMD,
-            not its critic); None = every trainable parameter.
+            not its critic), or with any prefix of a list (TMD's student: ``["generator.", "flow_head."]``); None =
+            every trainable parameter.
         start_step: first global step at which the average starts (Self-Forcing creates its EMA at step 200);
             before it the shadow follows the raw weights.
     Raises:
@@ -40,7 +41,7 @@ class EMA(Callback):
 
     def __init__(
         self, decay: float = 0.999, update_every: int = 1, warmup: bool = True, validate_with_ema: bool = True,
-        include: str | None = None, start_step: int = 0,
+        include: str | list[str] | None = None, start_step: int = 0,
     ) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
@@ -62,6 +63,7 @@ class EMA(Callback):
     # ---------------------------------------------------------------- state
     def _trainable(self, pl_module: LightningModule) -> dict[str, torch.nn.Parameter]:
         prefix = self.include or ""
+        prefix = prefix if isinstance(prefix, str) else tuple(prefix)  # str.startswith takes a tuple of prefixes
         return {n: p for n, p in pl_module.named_parameters() if p.requires_grad and n.startswith(prefix)}
 
     def _ensure(self, pl_module: LightningModule) -> None:

@@ -199,9 +199,10 @@ def frame_shape_of(generator, latent_shape=None, default: tuple[int, ...] = (3, 
     return tuple(int(v) for i, v in enumerate(shape) if i != fd - 1)
 
 
-def role_optimizers(method: LightningModule, **factories) -> list:
-    """``method.roles.optimizers(**factories)`` (one optimizer per trainable role) for a method that updates several
-    networks in separate backward passes (DMD: generator and critic; AFD: student and discriminator).
+def role_optimizers(method: LightningModule, joined: dict[str, list[str]] | None = None, **factories) -> list:
+    """``method.roles.optimizers(joined=joined, **factories)`` (one optimizer per trainable role, ``joined`` roles
+    adding their parameters to a named one's) for a method that updates several networks in separate backward passes
+    (DMD: generator and critic; AFD: student and discriminator; TMD: student with its flow head, and critic).
 
     Under DDP such a backward leaves the other network's parameters without a gradient, which DDP accepts only with
     ``find_unused_parameters`` (the ``configs/trainer/ddp.yaml`` profile sets it); FSDP2 needs nothing.
@@ -216,7 +217,7 @@ def role_optimizers(method: LightningModule, **factories) -> list:
             f"{type(method).__name__} updates {', '.join(factories)} in separate backward passes; under DDP that "
             f"needs find_unused_parameters: use --trainer.strategy=ddp_find_unused_parameters_true (or the profile "
             f"configs/trainer/ddp.yaml), or FSDP2 (configs/trainer/fsdp2.yaml)")
-    return method.roles.optimizers(**factories)
+    return method.roles.optimizers(joined=joined, **factories)
 
 
 def configure_policy_optimizer(method: LightningModule):

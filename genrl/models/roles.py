@@ -383,22 +383,31 @@ class Roles:
         self.get(name).update(self.owner.generator.transformer, decay)
         return decay
 
-    def optimizers(self, **factories) -> list:
+    def optimizers(self, *, joined: dict[str, list[str]] | None = None, **factories) -> list:
         """One optimizer per trainable role, in the order given: ``factories`` maps a role name to an optimizer
         factory (``OptimizerCallable``) applied to that role's trainable parameters (a generator's transformer's).
+        ``joined`` adds further trainable roles' parameters to a named role's optimizer, after its own (TMD's flow
+        head is updated with the student: ``joined={"generator": ["flow_head"]}``).
 
         Raises:
-            ValueError: a role that is not trainable, or one without any trainable parameter (names it).
+            ValueError: a role that is not trainable, or one without any trainable parameter (names it); a
+                ``joined`` key that is not one of ``factories``.
         """
+        joined = dict(joined or {})
+        if unknown := sorted(set(joined) - set(factories)):
+            raise ValueError(f"joined names {unknown}, which get no optimizer; use one of {sorted(factories)}")
         out = []
         for name, factory in factories.items():
-            if name not in self.table or self.table[name].kind != "trainable":
-                raise ValueError(f"optimizers for {name!r}: not a trainable role (trainable: "
-                                 f"{sorted(n for n, r in self.table.items() if r.kind == 'trainable')})")
-            module = self.get(name)
-            params = [p for p in getattr(module, "transformer", module).parameters() if p.requires_grad]
-            if not params:
-                raise ValueError(f"no trainable parameters in the {name!r} role; check its lora / spec config")
+            params = []
+            for role in [name, *joined.get(name, [])]:
+                if role not in self.table or self.table[role].kind != "trainable":
+                    raise ValueError(f"optimizers for {role!r}: not a trainable role (trainable: "
+                                     f"{sorted(n for n, r in self.table.items() if r.kind == 'trainable')})")
+                module = self.get(role)
+                own = [p for p in getattr(module, "transformer", module).parameters() if p.requires_grad]
+                if not own:
+                    raise ValueError(f"no trainable parameters in the {role!r} role; check its lora / spec config")
+                params += own
             out.append(factory(params))
         return out
 

@@ -71,10 +71,14 @@ class WanGenerator(DiffusersGenerator):
                                        add_special_tokens=True, return_tensors="pt").attention_mask
         return {"hidden_states": embeds, "attention_mask": mask.bool()}
 
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond, **kwargs) -> torch.Tensor:
-        """Velocity [B, C, F, h, w] at latents x and sigma [B] or [B, F] in [0, 1] (see the class docstring)."""
-        self._check_x(x, sigma, cond)
-        t = sigma.to(x.device, torch.float32) * 1000.0
+    def timesteps(self, sigma: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+        """The transformer's ``timestep`` input for sigma in [0, 1]: 1000 sigma, float32 on ``device``: [B] for a
+        sigma [B], per token [B, F * (h / p) * (w / p)] for a per-frame sigma [B, F].
+
+        Raises:
+            ValueError: a per-frame sigma whose frame count is not the latent frames F, or a temporal patch != 1.
+        """
+        t = sigma.to(device, torch.float32) * 1000.0
         if t.ndim == 2:
             _, f, h, w = self.latent_shape
             p = self.transformer.config.patch_size
@@ -82,6 +86,12 @@ class WanGenerator(DiffusersGenerator):
                 raise ValueError(f"wan: per-frame sigma of shape {tuple(t.shape)}; expected [B, {f}] "
                                  f"(patch_size[0] = 1)")
             t = t.repeat_interleave((h // p[1]) * (w // p[2]), dim=1)
+        return t
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond, **kwargs) -> torch.Tensor:
+        """Velocity [B, C, F, h, w] at latents x and sigma [B] or [B, F] in [0, 1] (see the class docstring)."""
+        self._check_x(x, sigma, cond)
+        t = self.timesteps(sigma, x.device)
         return self.transformer(hidden_states=x.to(self.dtype), timestep=t,
                                 encoder_hidden_states=cond.hidden_states.to(self.dtype), return_dict=False)[0]
 
