@@ -29,6 +29,12 @@ Sections, in order (anchors: docs/models.md, "Reference throughput figures"):
    not rebound; no recompilation). ``--tiny``: float32 vs simulated fp8.
 6. ``noise``: one step's noise draw per backend (per-sample device generators, counter-based Philox) at the shapes
    world's size and at Wan2.1's (16 x [16, 21, 60, 104]), ms (``sampler_overhead.noise_cost``).
+7. ``tmd_fps``: sampling frames/s at 480x832x81 (denoising only, batch 1, median of 3 after a warm-up) of a TMD
+   student, genrl's ``TransitionModel`` (``genrl.models.trunk``: the Wan2.1-1.3B generator, random weights, no text
+   encoder, + a ``FlowHead`` over its last 5 of 30 blocks, gate open) sampled by ``transition_rollout`` with
+   M = 2 outer x N = 2 inner steps (effective NFE 2.33), vs a 4-step Euler sampler on the plain transformer forward
+   (the DMD student's 4 forwards); the speed-up, the NFE ratio (1.71) and CUDA peaks. ``--tiny``: the tiny Wan
+   transformer with 30 blocks.
 
 Robustness: each section runs in try/except and records ``"ok"``, ``"error: ..."`` (with a short traceback) or
 ``"skipped: ..."``; a section starts only if the global budget (``--budget-s``, default 520 s from the start of
@@ -757,6 +763,128 @@ def section_sol_rl_rollout(ctx: SuiteContext, out: dict) -> None:
         torch._dynamo.reset()
 
 
+def _wan_generator(ctx: SuiteContext, cfg: dict, latents: tuple[int, int, int, int], text_tokens: int):
+    """A genrl :class:`~genrl.models.families.wan.WanGenerator` around a random-weight ``WanTransformer3DModel(**cfg)``
+    (``causal_wan_stream.wan_transformer``), with no text encoder and no tokenizer (conditioning is given as random
+    text states). Its VAE is the tiny test one (z_dim 16, 4x temporal / 8x spatial: the generator reads only its
+    config for the latent shape; nothing is decoded). Sample size from ``latents`` [16, F, h, w]: 8h x 8w pixels,
+    4 (F - 1) + 1 frames. Returns (generator, attention backend)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from genrl.models.families.base import set_attention_backend
+    from genrl.models.families.wan import WanGenerator
+    from genrl.testing.families import TINY
+
+    transformer = causal_wan_stream.wan_transformer(cfg, ctx.device, ctx.dtype)
+    with torch.device(ctx.device):
+        vae = AutoencoderKLWan(**TINY["wan"]["vae"]).eval()
+    pipeline = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                           scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    _, f, h, w = latents
+    gen = WanGenerator(pipeline, height=8 * h, width=8 * w, num_frames=4 * (f - 1) + 1,
+                       max_sequence_length=text_tokens)
+    return gen, set_attention_backend(gen.transformer, "sdpa")
+
+
+#: section 7's samplers: the TMD student (M outer x N inner steps, a flow head over the last H of L = 30 blocks)
+#: and the 4-step Euler student (Self-Forcing / DMD's list [1000, 750, 500, 250], shift 5)
+TMD_SAMPLER = {"outer_steps": 2, "inner_steps": 2, "head_layers": 5}
+EULER_TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)
+EULER_SHIFT = 5.0
+
+
+def section_tmd_fps(ctx: SuiteContext, out: dict) -> None:
+    """Section 7: sampling frames/s of a TMD student (``genrl.models.trunk`` + ``genrl.rollout.transition``:
+    M = 2, N = 2, a flow head over the last H = 5 of Wan2.1-1.3B's 30 blocks; effective NFE 2.33) vs a 4-step
+    Euler student (the plain transformer forward, 4 calls: the DMD student's cost), 480x832x81, denoising only
+    (no decode), batch 1, seconds per video (median of 3 after a warm-up) -> frames/s, CUDA peak per sampler.
+    Random weights; the head's zero-initialised output layers get small random weights and its gate logit is 0
+    (sigmoid 0.5), so the fusion path and the delta-time embedding carry signal. ``--tiny``: the tiny Wan
+    transformer with 30 blocks (the same L, H and so the same effective NFE), float32, on the CPU."""
+    from genrl.flow import shift_sigmas
+    from genrl.models.text_encoder import Conditioning
+    from genrl.models.trunk import FlowHead, TransitionModel, trunk_adapter
+    from genrl.noise import randn_per_sample
+    from genrl.rollout.transition import TransitionConfig, transition_rollout
+
+    cfg = _wan_config(ctx)
+    if ctx.tiny:
+        cfg["num_layers"] = 30  # Wan2.1-1.3B's depth, so H / L and the effective NFE are the real ones
+    latents = TINY_WAN_LATENTS if ctx.tiny else WAN_LATENTS
+    tokens = TINY_WAN_TEXT_TOKENS if ctx.tiny else WAN_TEXT_TOKENS
+    torch.manual_seed(0)
+    gen, backend = _wan_generator(ctx, cfg, latents, tokens)
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    text = torch.randn(1, tokens, cfg["text_dim"], device=ctx.device, dtype=ctx.dtype, generator=g)
+    cond = Conditioning(text, torch.ones(1, tokens, dtype=torch.bool, device=ctx.device), ["random text states"])
+    out["model"] = _wan_describe(ctx, gen.transformer, torch.empty(1, *latents, device="meta"), text)
+    frames = gen.num_frames
+    out.update(pixel_frames=frames, pixels=[gen.height, gen.width], batch=1, attention_backend=backend,
+               timing="denoising only (no decode), seconds per video: median of 3 after a warm-up")
+
+    adapter = trunk_adapter(gen)
+    head = FlowHead(adapter, num_layers=TMD_SAMPLER["head_layers"], gate_init=0.0, head_time="inner")
+    with torch.no_grad():
+        for layer in (head.fusion_mod[1], head.delta_embed[2]):
+            torch.nn.init.normal_(layer.weight, std=0.01)
+    head = head.to(ctx.device, ctx.dtype).eval()
+    model = TransitionModel(gen, head)
+    sampler = TransitionConfig(outer_steps=TMD_SAMPLER["outer_steps"], inner_steps=TMD_SAMPLER["inner_steps"],
+                               micro_batch_size=1)
+    shape = tuple(gen.latent_shape)
+    last: dict = {}  # the last timed run's output (checked for finiteness; no extra untimed run)
+
+    def tmd():
+        last["tmd"] = transition_rollout(model, cond, shape, 0, [0], sampler)
+
+    _free(ctx.device)
+    _reset_peak(ctx.device)
+    times = timed_ms(tmd, ctx.device, warmup=1, reps=3)
+    res = last.pop("tmd")
+    s_tmd = statistics.median(times) / 1e3
+    out["tmd"] = {
+        "outer_steps": sampler.outer_steps, "inner_steps": sampler.inner_steps, "head_layers": model.head_layers,
+        "num_layers": model.num_layers, "head_time": head.head_time, "gate": round(float(head.gate.detach()), 4),
+        "head_params_m": round(sum(q.numel() for q in head.parameters()) / 1e6, 3), "head_dtype": str(ctx.dtype),
+        "effective_nfe": round(res.effective_nfe, 4), "backbone_calls": res.backbone_calls,
+        "head_calls": res.head_calls, "s_per_video": round(s_tmd, 4), "s_all": [round(v / 1e3, 4) for v in times],
+        "fps": round(frames / s_tmd, 2), "peak_gib": _peak_gib(ctx.device),
+        "finite": bool(torch.isfinite(res.latents).all()),
+    }
+    del res
+    ctx.save()
+    ctx.log(f"  TMD (M 2, N 2, H 5): {out['tmd']['s_per_video']} s/video, {out['tmd']['fps']} frames/s, effective "
+            f"NFE {out['tmd']['effective_nfe']}")
+
+    sigmas = shift_sigmas(torch.tensor([*EULER_TIMESTEPS, 0.0], dtype=torch.float64) / 1000.0, EULER_SHIFT).tolist()
+
+    def euler():
+        x = randn_per_sample(shape, 0, [0], step=0, device=ctx.device)
+        with torch.no_grad():
+            for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+                v = gen.velocity(x, torch.full((1,), s, device=ctx.device), cond)
+                x = x + (s_next - s) * v.float()
+        last["euler"] = x
+
+    _free(ctx.device)
+    _reset_peak(ctx.device)
+    times = timed_ms(euler, ctx.device, warmup=1, reps=3)
+    s_euler = statistics.median(times) / 1e3
+    out["euler"] = {
+        "steps": len(EULER_TIMESTEPS), "nfe": float(len(EULER_TIMESTEPS)), "sigmas": [round(v, 4) for v in sigmas],
+        "s_per_video": round(s_euler, 4), "s_all": [round(v / 1e3, 4) for v in times],
+        "fps": round(frames / s_euler, 2), "peak_gib": _peak_gib(ctx.device),
+        "finite": bool(torch.isfinite(last.pop("euler")).all()),
+    }
+    out["speedup"] = round(s_euler / s_tmd, 3)  # TMD frames/s over the 4-step student's
+    out["nfe_ratio"] = round(out["euler"]["nfe"] / out["tmd"]["effective_nfe"], 3)  # what the NFE count predicts
+    out["tmd_measured_nfe"] = round(out["euler"]["nfe"] * s_tmd / s_euler, 3)  # TMD's cost in measured forwards
+    peaks = [p for p in (out["tmd"]["peak_gib"], out["euler"]["peak_gib"]) if p is not None]
+    out["peak_gib"] = max(peaks) if peaks else None
+    ctx.log(f"  4-step Euler: {out['euler']['s_per_video']} s/video, {out['euler']['fps']} frames/s; TMD "
+            f"x{out['speedup']} (NFE ratio {out['nfe_ratio']}), peak {out['peak_gib']} GiB")
+
+
 def noise_reproducibility(device: torch.device) -> dict:
     """On ``device``: is each backend's row bitwise the same drawn in a batch of 6 and in a reordered sub-batch of 3
     (``*_bitwise_across_batches``)? And the largest difference between Philox drawn on ``device`` and on the CPU
@@ -806,6 +934,9 @@ SECTIONS = [
             section_sol_rl_rollout, need_s=60, limit_s=300),
     Section("noise", "6. noise draw per step: per-sample device generators vs Philox", section_noise,
             need_s=10, limit_s=60, tiny_need_s=5.0),
+    # about 2.33 + 4 forwards of 613 ms per round, 4 rounds (a warm-up + 3): ~16 s, plus building the model
+    Section("tmd_fps", "7. TMD student (M = 2, N = 2, H = 5) vs a 4-step student, Wan2.1-1.3B, 480x832x81",
+            section_tmd_fps, need_s=30, limit_s=120, tiny_need_s=3.0),
 ]
 
 
@@ -917,6 +1048,27 @@ def _row_noise(r: dict, tiny: bool) -> tuple[str, str]:
     return "; ".join(parts), "small next to the 613 ms Wan forward; bitwise True"
 
 
+def _row_tmd(r: dict, tiny: bool) -> tuple[str, str]:
+    t, e = r.get("tmd") or {}, r.get("euler") or {}
+    nfe = t.get("effective_nfe")
+
+    def speed(d: dict) -> str:
+        return f"{_num(d.get('s_per_video'), 3)} s/video = {_num(d.get('fps'), 1)} frames/s"
+
+    measured = (f"TMD (M {t.get('outer_steps', '?')}, N {t.get('inner_steps', '?')}, H {t.get('head_layers', '?')}"
+                f"/{t.get('num_layers', '?')}, effective NFE {_num(nfe, 2)}) {speed(t)}; {e.get('steps', 4)}-step "
+                f"Euler {speed(e)}")
+    if r.get("speedup") is not None:
+        measured += (f"; x{r['speedup']:.2f} (NFE ratio {_num(r.get('nfe_ratio'), 2)}; TMD costs "
+                     f"{_num(r.get('tmd_measured_nfe'), 2)} measured forwards)")
+    measured += (f"; peak {_num(t.get('peak_gib'), 1, 'GiB')} / {_num(e.get('peak_gib'), 1, 'GiB')}; no decode")
+    nfe_tmd = 2 * (1 + 5 / 30)  # M (1 + (N - 1) H / L)
+    fwd = ANCHORS["wan_forward_ms"] / 1e3
+    anchor = (f"about {81 / (nfe_tmd * fwd):.0f} vs {81 / (4 * fwd):.0f} frames/s ({nfe_tmd:.2f} vs 4 forwards of "
+              f"{ANCHORS['wan_forward_ms']:.0f} ms): x{4 / nfe_tmd:.2f}")
+    return measured, anchor
+
+
 ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {
     "wan_forward": _row_wan_forward,
     "wan_grpo": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
@@ -926,6 +1078,7 @@ ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {
     "fp8_compile": _row_fp8,
     "sol_rl_rollout": _row_sol_rl,
     "noise": _row_noise,
+    "tmd_fps": _row_tmd,
 }
 
 
@@ -1024,7 +1177,7 @@ def main(argv: list[str] | None = None, start: float | None = None) -> dict:
         f"{report['env']['diffusers']}, torchao {report['env']['torchao']}; writing {out}")
     missing = [name for name in ("diffusers", "transformers", "peft") if report["env"][name] == "not installed"]
     if missing:
-        log(f"missing packages {missing}: sections 1-4 and the model part of 5 will fail; carry them as wheels "
+        log(f"missing packages {missing}: sections 1-4, 5b, 7 and the model part of 5 will fail; carry them as wheels "
             f"(docs/gpu_suite.md)")
     ctx = SuiteContext(tiny=args.tiny, device=device, dtype=torch.float32 if args.tiny else torch.bfloat16,
                        deadline=start + args.budget_s,

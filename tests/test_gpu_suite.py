@@ -20,7 +20,7 @@ if str(ROOT / "benchmarks") not in sys.path:
 import gpu_suite  # noqa: E402
 
 SECTION_NAMES = ["wan_forward", "wan_grpo", "wan_grpo_fsdp2", "sd3_grpo", "causal_stream", "fp8_compile",
-                 "sol_rl_rollout", "noise"]
+                 "sol_rl_rollout", "noise", "tmd_fps"]
 
 
 def _table_rows(md: str) -> list[str]:
@@ -129,6 +129,10 @@ def _fake_report(tiny: bool, overhead: float, wan_peak: float, fps: float) -> di
                                params_not_rebound=True, recompiled_graphs=0),
         "noise": {"shapes_generator_ms": 0.41, "shapes_philox_ms": 0.9, "wan2.1_480x832x81_generator_ms": 3.2,
                   "wan2.1_480x832x81_philox_ms": 25.0},
+        "tmd_fps": dict(tmd={"outer_steps": 2, "inner_steps": 2, "head_layers": 5, "num_layers": 30,
+                             "effective_nfe": 2.3333, "s_per_video": 1.46, "fps": 55.48, "peak_gib": 8.1},
+                        euler={"steps": 4, "nfe": 4.0, "s_per_video": 2.47, "fps": 32.79, "peak_gib": 7.9},
+                        speedup=1.692, nfe_ratio=1.714, tmd_measured_nfe=2.364),
     }
     report = {"command": "python benchmarks/gpu_suite.py --out x.json", "tiny": tiny, "budget_s": 520,
               "elapsed_s": 401.2,
@@ -157,6 +161,9 @@ def test_markdown_one_row_per_section_with_anchors_and_targets():
     assert "compiled fp8 copy 400.0 ms (240 Linears quantized); x1.40, rel. err 0.0210" in rows[6]
     assert "refresh 0.041 s, bitwise = fresh True, not rebound True, recompiled graphs 0" in rows[6]
     assert "wan2.1_480x832x81 generator 3.20 ms; wan2.1_480x832x81 philox 25.00 ms" in rows[7]
+    assert "TMD (M 2, N 2, H 5/30, effective NFE 2.33) 1.460 s/video = 55.5 frames/s" in rows[8]
+    assert "4-step Euler 2.470 s/video = 32.8 frames/s; x1.69 (NFE ratio 1.71" in rows[8]
+    assert "peak 8.1 GiB / 7.9 GiB" in rows[8] and "about 57 vs 33 frames/s" in rows[8] and "x1.71" in rows[8]
 
     missed = _table_rows(gpu_suite.markdown(_fake_report(tiny=False, overhead=0.08, wan_peak=44.0, fps=12.0)))
     assert "overhead <= 5% (missed); peak < 40 GiB (missed)" in missed[1]
@@ -175,6 +182,7 @@ def test_markdown_survives_errors_skips_and_partial_results():
                             wall_s=None)
     secs["causal_stream"].update(status="running", result={"unexpected": [1, 2]})
     secs["fp8_compile"]["result"] = {"matmul": {"n": 8192, "bf16_tflops": 700.0}}
+    secs["tmd_fps"]["result"] = {"tmd": {"s_per_video": 1.5, "fps": 54.0}}  # stopped before the Euler part
     rows = _table_rows(gpu_suite.markdown(report))
     assert len(rows) == len(SECTION_NAMES)
     assert "forward 600.0 ms; fwd+bwd (grad ckpt) n/a" in rows[0]
@@ -182,6 +190,7 @@ def test_markdown_survives_errors_skips_and_partial_results():
     assert "skipped: budget (20 s left" in rows[1] and "overhead <= 5%" in rows[1]
     assert "| running (10.0 s) |" in rows[4]
     assert "fp8 n/a TFLOP/s" in rows[5] and "compiled bf16: n/a" in rows[5]
+    assert "1.500 s/video = 54.0 frames/s; 4-step Euler n/a s/video = n/a frames/s" in rows[8] and "x1.71" in rows[8]
 
 
 def test_main_with_no_budget_skips_every_section_and_writes_both_files(tmp_path):
@@ -299,6 +308,8 @@ def test_tiny_suite_end_to_end(tmp_path):
     rows = _table_rows(md.read_text())
     assert len(rows) == len(SECTION_NAMES) and all(r.rstrip().endswith("s) |") and "| ok (" in r for r in rows)
     assert "| section |" in run.stdout and "[gpu_suite" in run.stdout
+    t = secs["tmd_fps"]["result"]
+    assert t["tmd"]["fps"] > 0 and t["euler"]["fps"] > 0 and t["tmd"]["effective_nfe"] == 2.3333
 
 
 def test_wan_grpo_fsdp2_section_runs_on_the_tiny_wan_and_leaves_no_process_group():
@@ -324,3 +335,22 @@ def test_sol_rl_rollout_section_refreshes_in_place_on_the_tiny_wan(tmp_path):
     assert out["refresh_s"] >= 0
     measured, anchor = gpu_suite.ROWS["sol_rl_rollout"](out, True)
     assert "refresh" in measured and "1.35x" in anchor
+
+
+def test_tmd_fps_section_samples_both_students_on_the_tiny_wan(tmp_path):
+    """Section 7 on the CPU: the TMD student (genrl's trunk split of a 30-block tiny Wan, M = 2, N = 2, H = 5) and the
+    4-step Euler student both sample finite latents; the counts are the real ones (effective NFE 2.33, 2 backbone +
+    4 head calls), frames/s are positive, and the row reads the result."""
+    out: dict = {}
+    with torch.random.fork_rng():  # the section seeds the global generator
+        gpu_suite.section_tmd_fps(_context(tmp_path, 120.0, []), out)
+    t, e = out["tmd"], out["euler"]
+    assert (t["outer_steps"], t["inner_steps"], t["head_layers"], t["num_layers"]) == (2, 2, 5, 30)
+    assert t["effective_nfe"] == 2.3333 and t["backbone_calls"] == 2 and t["head_calls"] == 4
+    assert t["gate"] == 0.5 and t["head_params_m"] > 0 and t["finite"] and e["finite"]
+    assert e["steps"] == 4 and e["sigmas"][0] == 1.0 and e["sigmas"][-1] == 0.0
+    assert t["fps"] > 0 and e["fps"] > 0 and len(t["s_all"]) == 3 == len(e["s_all"])
+    assert out["pixel_frames"] == 9 and out["nfe_ratio"] == 1.714 and out["speedup"] > 0
+    assert out["peak_gib"] is None and t["peak_gib"] is None  # CPU: no CUDA memory figures
+    measured, anchor = gpu_suite.ROWS["tmd_fps"](out, True)
+    assert "effective NFE 2.33" in measured and "4-step Euler" in measured and "x1.71" in anchor

@@ -93,6 +93,22 @@ from genrl.flow.sde import (
     step_mean_std,
 )
 from genrl.flow.steps import euler_step
+from genrl.flow.tmd import (
+    INNER_TIME_STREAM,
+    PARAMETERIZATIONS,
+    Parameterization,
+    adaptive_loss,
+    average_velocity,
+    effective_nfe,
+    finite_difference_derivative,
+    inner_flow_step,
+    meanflow_target,
+    outer_step,
+    sample_inner_times,
+    transition_grid,
+    vsd_gradient,
+    vsd_loss,
+)
 
 __all__ = [
     "sample_mse",
@@ -175,4 +191,18 @@ __all__ = [
     "advantage_to_r",
     "nft_loss",
     "ref_regularizer",
+    "INNER_TIME_STREAM",
+    "PARAMETERIZATIONS",
+    "Parameterization",
+    "effective_nfe",
+    "transition_grid",
+    "sample_inner_times",
+    "outer_step",
+    "average_velocity",
+    "inner_flow_step",
+    "finite_difference_derivative",
+    "meanflow_target",
+    "adaptive_loss",
+    "vsd_gradient",
+    "vsd_loss",
 ]

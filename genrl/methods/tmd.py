@@ -1,0 +1,500 @@
+"""TMD: transition matching distillation of a video flow model into a few-step student with a flow head.
+
+Nie, Berner, Ma, Liu, Xie, Vahdat 2026, "Transition Matching Distillation" (arXiv 2601.09881), building on Difference
+Transition Matching (Shaul et al. 2025, arXiv 2506.23589) and DMD2 (Yin et al. 2024). The student is the teacher
+split in two (docs/methods/tmd.md): a *backbone* (embedding + the first L - H blocks) that runs once per outer
+transition and gives features m of x_{t_i}, and a *flow head* (a new fusion block with a gate, a zero-initialised
+(s - r) time embedding, and the teacher's own last H blocks and output layers) that runs N times per transition on
+the inner variable y = x1 - x0. Sampling: M outer transitions, each an N-step inner flow map from y1 ~ N(0, I) to
+y_hat, then x <- x - (t_i - t_{i-1}) y_hat (:func:`genrl.rollout.transition.transition_rollout`); effective NFE
+M (1 + (N - 1) H / L).
+
+Two stages, one class (``stage``):
+
+- ``"meanflow"`` (TM-MeanFlow, the paper's stage 1): x_{t_i} from data at an outer grid point, y = x1 - x0, inner
+  point y_s = (1 - s) y + s y1, r = s with probability 0.75 (plain transition matching) else the inner grid point
+  below s; the head's average velocity u = y1 - head(y_s, s, r; m) regresses the MeanFlow target
+  sg(v - (s - r) du/ds) with v = y1 - y and du/ds a central finite difference (three head calls, no forward-mode
+  AD), under MeanFlow's adaptive loss normalisation. Backbone and head are trained together (m is not detached).
+  Text CFG on the target (``meanflow_cfg_scale`` w != 1): y is shifted by (w - 1)(v_T(x_t, c) - v_T(x_t, null)),
+  the frozen teacher's guidance direction at x_{t_i}, so that E[y | x_t] is the guided teacher velocity; this is
+  genrl's reading of the paper's "CFG 3 on the conditional velocity" (no public code exists).
+- ``"dmd"`` (DMD2-v with flow-head rollout, stage 2): the generator's sample x_hat = x_{t_i} - t_i y_hat, with y_hat
+  from all N inner steps *with* gradients (through the head and the backbone), x_{t_i} noised data latents (no outer
+  backward simulation); the VSD loss with the critic (fake score, flow matching on the student's samples, updated
+  every iteration) and the frozen teacher with CFG; the student steps every ``critic_updates_per_generator_update``-th
+  iteration. DMD2's GAN term is not implemented (the issue's optional part).
+
+Roles: ``generator`` (the student's transformer, trainable) and ``flow_head`` (trainable, stepped by the generator's
+optimizer); stage 2 adds the frozen ``teacher`` and the trainable ``critic``; stage 1 adds the teacher only when
+``meanflow_cfg_scale`` != 1. Randomness is addressed by (seed, iteration, sample index, stream), so a resumed run
+repeats an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+
+from genrl.flow import add_noise, cfg_combine, critic_loss
+from genrl.flow.tmd import (
+    adaptive_loss,
+    average_velocity,
+    effective_nfe,
+    finite_difference_derivative,
+    meanflow_target,
+    sample_inner_times,
+    transition_grid,
+    vsd_gradient,
+    vsd_loss,
+)
+from genrl.methods.common import (
+    Scorer,
+    build_policy,
+    check_finite,
+    linear_warmup,
+    log_validation_rewards,
+    policy_spec,
+    role_optimizers,
+    step_uncounted,
+    trainer_of,
+)
+from genrl.methods.distill import ScoreRole, dmd_noised, real_x0
+from genrl.models.families import GeneratorSpec
+from genrl.models.lora import LoraSpec
+from genrl.models.roles import Roles
+from genrl.models.spec import ModelSpec
+from genrl.models.text_encoder import Conditioning
+from genrl.models.trunk import FlowHead, TransitionModel, trunk_adapter
+from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
+from genrl.rollout.transition import TransitionConfig, inner_flow, transition_rollout
+
+__all__ = ["TMD", "HEAD_CONFIG_FILE", "HEAD_WEIGHTS_FILE", "load_head", "load_transition_model", "save_head"]
+
+#: files an export (and ``head_init``) holds for the flow head, beside the transformer's
+HEAD_WEIGHTS_FILE = "flow_head.safetensors"
+HEAD_CONFIG_FILE = "flow_head.json"
+
+# random streams of one training sample (genrl.noise)
+_S_X1, _S_OUTER, _S_INNER_NOISE, _S_INNER_TIME, _S_DROPOUT, _S_DMD, _S_CRITIC = 31, 32, 33, 34, 35, 36, 37
+_STAGES = ("meanflow", "dmd")
+
+
+class TMD(LightningModule):
+    """Transition matching distillation (stage ``"meanflow"`` or ``"dmd"``) of genrl's DiT or a diffusers family.
+
+    Training batches are ``{"pixels": [B, T, C, H, W] in [0, 1], "prompts": list[str], "index": int64 [B]}`` (a
+    video datamodule: the shapes world, a video folder, teacher videos): both stages start the student's transitions
+    from noised data latents x_{t_i} = (1 - t_i) x0 + t_i x1. Validation samples with the transition sampler and
+    scores ``rewards``.
+
+    Args:
+        generator: the student (:class:`~genrl.models.families.GeneratorSpec`): the teacher's folder for stage 1,
+            stage 1's export for stage 2. Families with a backbone / head split: genrl's DiT, ``wan``, ``sd3``
+            (:func:`genrl.models.trunk.trunk_adapter`).
+        stage: ``"meanflow"`` (TM-MeanFlow pretraining of the head) or ``"dmd"`` (DMD2-v with flow-head rollout).
+        head_layers: H, the transformer blocks the flow head re-runs (1 <= H < L; the paper: 5 of Wan2.1's 30).
+        gate_init: initial logit of the fusion gate (sigmoid(-4) = 0.018: the student starts near the teacher).
+        head_time: the head's blocks see the inner time s (``"inner"``, the paper) or the outer t_i (``"outer"``).
+        head_init: a folder holding ``flow_head.safetensors`` (an export of stage 1) to start the head from; None: a
+            fresh head (stage 1), required in spirit for stage 2.
+        outer_steps / inner_steps: M and N of the transition sampler (the paper's N2H5 with M = 2).
+        outer_shift / inner_shift: time shifts of the two grids (10 / 10; 5 for a 4-step student).
+        t_max: the top of both grids (0.999).
+        parameterization: how the head's estimate y_hat of y becomes the inner average velocity u:
+            ``"denoiser"`` u = (y_s - y_hat) / s (genrl's default) or ``"noise"`` u = y1 - y_hat (the paper's form as
+            the spec reads it); see :mod:`genrl.flow.tmd` and docs/methods/tmd.md for why they differ.
+        inner_time_shift: shift of the stage-1 inner time draw (3).
+        p_equal: probability of r = s in stage 1 (0.75).
+        fd_delta: step of the finite-difference derivative (5e-3).
+        loss_c: the adaptive loss's constant c (None: the latent dimension d, the paper's choice for Wan2.1-1.3B).
+        meanflow_cfg_scale: CFG scale w of the stage-1 target (1: none; the paper: 3).
+        caption_dropout: probability of training a sample on ``negative_prompt`` (stage 1; 0.1).
+        teacher: the frozen teacher transformer (:class:`ModelSpec`; default: the student's ``pretrained`` folder for
+            the DiT; required for a family student in stage 2 or with CFG).
+        critic: the fake score's initial weights (default: the teacher's).
+        teacher_cfg_scale: the teacher's CFG scale w in stage 2 (the paper: 5).
+        negative_prompt: the unconditional prompt of both CFGs and of caption dropout.
+        dmd_shift / min_timestep / max_timestep: stage 2's VSD noise level draw (shift 5, timesteps in [1, 999]).
+        critic_updates_per_generator_update: DMD2's ratio (5).
+        lora: train a LoRA adapter on the student's transformer (the head is always trained in full).
+        generator_optimizer / critic_optimizer: factories (AdamW, the paper: lr 3e-5 stage 1, 1e-5 stage 2, betas
+            (0.9, 0.99), weight decay 0.01).
+        warmup_steps: linear learning-rate warm-up of the generator's optimizer (stage 1).
+        max_grad_norm: gradient-norm clip of every optimizer (0: none).
+        rewards / reward_combine: validation rewards (default: the shapes verifier).
+        seed: seed of all randomness.
+    Raises:
+        ValueError: an unknown stage or head_time, probabilities / shifts / step counts out of range (each names the
+            value), a family student without a teacher where one is needed.
+    """
+
+    def __init__(
+        self,
+        generator: GeneratorSpec | None = None,
+        stage: Literal["meanflow", "dmd"] = "meanflow",
+        head_layers: int = 1,
+        gate_init: float = -4.0,
+        head_time: Literal["inner", "outer"] = "inner",
+        head_init: str | None = None,
+        outer_steps: int = 2,
+        inner_steps: int = 2,
+        outer_shift: float = 10.0,
+        inner_shift: float = 10.0,
+        t_max: float = 0.999,
+        parameterization: Literal["denoiser", "noise"] = "denoiser",
+        inner_time_shift: float = 3.0,
+        p_equal: float = 0.75,
+        fd_delta: float = 5e-3,
+        loss_c: float | None = None,
+        meanflow_cfg_scale: float = 1.0,
+        caption_dropout: float = 0.1,
+        teacher: ModelSpec | None = None,
+        critic: ModelSpec | None = None,
+        teacher_cfg_scale: float = 3.0,
+        negative_prompt: str = "",
+        dmd_shift: float = 5.0,
+        min_timestep: float = 1.0,
+        max_timestep: float = 999.0,
+        critic_updates_per_generator_update: int = 5,
+        lora: LoraSpec | None = None,
+        generator_optimizer: OptimizerCallable = torch.optim.AdamW,
+        critic_optimizer: OptimizerCallable = torch.optim.AdamW,
+        warmup_steps: int = 0,
+        max_grad_norm: float = 1.0,
+        rewards: list[dict[str, Any]] | None = None,
+        reward_combine: Literal["weighted_sum", "zscore_sum"] = "weighted_sum",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if stage not in _STAGES:
+            raise ValueError(f"stage must be one of {_STAGES}, got {stage!r}")
+        if head_time not in ("inner", "outer"):
+            raise ValueError(f"head_time must be 'inner' or 'outer', got {head_time!r}")
+        if not 0.0 <= p_equal <= 1.0:
+            raise ValueError(f"p_equal must be in [0, 1], got {p_equal}")
+        if not 0.0 <= caption_dropout < 1.0:
+            raise ValueError(f"caption_dropout must be in [0, 1), got {caption_dropout}")
+        if not 0.0 < fd_delta < 0.5:
+            raise ValueError(f"fd_delta must be in (0, 0.5), got {fd_delta}")
+        if loss_c is not None and loss_c < 0:
+            raise ValueError(f"loss_c must be >= 0 (or None for the latent dimension), got {loss_c}")
+        if critic_updates_per_generator_update < 1:
+            raise ValueError(f"critic_updates_per_generator_update must be >= 1, got "
+                             f"{critic_updates_per_generator_update}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer"])
+        self.generator_spec = policy_spec(self, generator)
+        self.sampler = TransitionConfig(outer_steps=outer_steps, inner_steps=inner_steps, outer_shift=outer_shift,
+                                        inner_shift=inner_shift, t_max=t_max,
+                                        parameterization=parameterization)  # validates M, N, shifts, t_max
+        teacher = ModelSpec(**teacher) if isinstance(teacher, dict) else teacher
+        critic = ModelSpec(**critic) if isinstance(critic, dict) else critic
+        needs_teacher = stage == "dmd" or meanflow_cfg_scale != 1.0
+        if needs_teacher and self.generator_spec.family != "dit" and teacher is None:
+            raise ValueError(f"a {self.generator_spec.family!r} student needs an explicit teacher transformer spec in "
+                             f"stage {stage!r}{' (meanflow_cfg_scale != 1)' if stage == 'meanflow' else ''}, e.g. "
+                             f"{{model_class: diffusers.WanTransformer3DModel, pretrained: <folder>, subfolder: "
+                             f"transformer}}")
+        self.teacher_spec = (teacher or ModelSpec(pretrained=self.generator_spec.pretrained)) if needs_teacher \
+            else None
+        if self.teacher_spec is not None and self.teacher_spec.pretrained is None and not self.teacher_spec.config:
+            raise ValueError("TMD needs a teacher here: give teacher.pretrained (or a student with pretrained weights)")
+        self.critic_spec = critic
+        self.automatic_optimization = False
+        self.generator_factory, self.critic_factory = generator_optimizer, critic_optimizer
+        self.generator = None
+        self.flow_head: FlowHead | None = None
+        self.critic: torch.nn.Module | None = None
+        object.__setattr__(self, "student", None)  # TransitionModel(generator, flow_head), built in configure_model
+        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
+        self.scorer = Scorer(rewards, reward_combine)
+        self.roles = Roles(self)
+        self._negative: Conditioning | None = None
+
+    # ------------------------------------------------------------------ construction
+    def configure_model(self) -> None:
+        """Build the student (transformer + flow head), and the teacher / critic the stage needs (once)."""
+        if self.generator is not None:
+            return
+        strategy = getattr(trainer_of(self), "strategy", None)
+        if "FSDP" in type(strategy).__name__:
+            raise ValueError(f"TMD does not run under {type(strategy).__name__} yet: the backbone / head split calls "
+                             f"the transformer's submodules directly, so the root FSDP unit's hooks (its embeddings "
+                             f"and output layers) never run; use DDP (configs/trainer/ddp.yaml) or one device")
+        h = self.hparams
+        gen = self.roles.trainable("generator", build_policy(self.generator_spec, h.lora))
+        adapter = trunk_adapter(gen)
+        head = FlowHead(adapter, num_layers=h.head_layers, gate_init=h.gate_init, head_time=h.head_time)
+        if h.head_init is not None:
+            load_head(head, h.head_init)
+        self.roles.trainable("flow_head", head)
+        # not a child module: the generator and the head are roles of their own (a second registration would store
+        # the head twice in every checkpoint)
+        object.__setattr__(self, "student", TransitionModel(gen, head))
+        if self.teacher_spec is not None:
+            teacher = self.roles.frozen("teacher", self.teacher_spec.build())
+            if h.stage == "dmd":
+                critic = self.critic_spec.build() if self.critic_spec is not None else copy.deepcopy(teacher)
+                self.roles.trainable("critic", critic.requires_grad_(True).train())
+        self.scorer.build(trainer_of(self))
+
+    def configure_optimizers(self):
+        h = self.hparams
+        if h.stage == "meanflow":
+            opt = role_optimizers(self, joined={"generator": ["flow_head"]}, generator=self.generator_factory)[0]
+            return linear_warmup(opt, h.warmup_steps)
+        return role_optimizers(self, joined={"generator": ["flow_head"]}, generator=self.generator_factory,
+                               critic=self.critic_factory)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def frame_dim(self) -> int:
+        return int(getattr(self.generator, "frame_dim", 1))
+
+    @property
+    def effective_nfe(self) -> float:
+        """M (1 + (N - 1) H / L) of the configured sampler."""
+        return effective_nfe(self.sampler.outer_steps, self.sampler.inner_steps, self.student.head_layers,
+                             self.student.num_layers)
+
+    def _negative_cond(self, n: int) -> Conditioning:
+        if self._negative is None or self._negative.hidden_states.device != self.device:
+            self._negative = self.generator.encode_prompts([self.hparams.negative_prompt])
+        return self._negative.select([0] * n)
+
+    def _teacher(self) -> ScoreRole:
+        return ScoreRole(self.generator, self.roles.get("teacher"))
+
+    def _outer_point(self, x0: torch.Tensor, idx: torch.Tensor, it: int):
+        """(t_i [B], x1, x_{t_i}): an outer grid point t_M..t_1 drawn uniformly per sample and the noised data."""
+        seed = mix_seed(self.hparams.seed, it)
+        grid = transition_grid(self.sampler.outer_steps, self.sampler.outer_shift, self.sampler.t_max)
+        u = rand_per_sample((), seed, idx, stream=_S_OUTER)
+        k = (u * self.sampler.outer_steps).long().clamp_max(self.sampler.outer_steps - 1)
+        t = grid[k].to(device=x0.device, dtype=torch.float32)
+        x1 = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_X1, device=x0.device)
+        return t, x1, add_noise(x0, x1, t, frame_dim=self.frame_dim)
+
+    def _data(self, batch: dict) -> tuple[torch.Tensor, list[str], torch.Tensor]:
+        pixels = batch["pixels"]
+        if pixels.ndim != 5:
+            raise ValueError(f"batch['pixels'] must be [B, T, C, H, W] in [0, 1], got {tuple(pixels.shape)}")
+        idx = batch["index"].cpu() if "index" in batch else torch.arange(pixels.shape[0])
+        with torch.no_grad():
+            x0 = self.generator.encode(pixels).float()
+        return x0, list(batch["prompts"]), idx
+
+    # ------------------------------------------------------------------ stage 1
+    def meanflow_loss(self, x0: torch.Tensor, prompts: list[str], idx: torch.Tensor, it: int) -> dict:
+        """One TM-MeanFlow step's loss on data latents x0 [B, *latent] (see the module docstring)."""
+        h = self.hparams
+        seed = mix_seed(h.seed, it)
+        if h.caption_dropout > 0:
+            drop = rand_per_sample((), seed, idx, stream=_S_DROPOUT) < h.caption_dropout
+            prompts = [h.negative_prompt if d else p for p, d in zip(prompts, drop.tolist())]
+        cond = self.generator.encode_prompts(prompts)
+        t, x1, x_t = self._outer_point(x0, idx, it)
+        y = x1 - x0
+        if h.meanflow_cfg_scale != 1.0:
+            with torch.no_grad():
+                teacher = self._teacher()
+                v_c = teacher.velocity(x_t, t, cond).float()
+                v_u = teacher.velocity(x_t, t, self._negative_cond(len(prompts))).float()
+                y = y + (cfg_combine(v_c, v_u, h.meanflow_cfg_scale) - v_c)
+        inner = transition_grid(self.sampler.inner_steps, self.sampler.inner_shift, self.sampler.t_max)
+        s, r = sample_inner_times(seed, idx, 0, inner, shift=h.inner_time_shift, p_equal=h.p_equal,
+                                  device=x0.device)
+        y1 = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_INNER_NOISE, device=x0.device)
+        shape = (-1,) + (1,) * (x0.ndim - 1)
+        y_s = (1 - s.view(shape)) * y + s.view(shape) * y1
+        v = y1 - y
+        feats = self.student.features(x_t, t, cond)
+        p = h.parameterization
+
+        def u_of(yy: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
+            return average_velocity(yy, ss, y1, self.student.head(yy, ss, r, feats, t).float(), p)
+
+        u = u_of(y_s, s)
+        with torch.no_grad():
+            dudt = finite_difference_derivative(u_of, y_s, s, v, delta=h.fd_delta)
+        target = meanflow_target(v, dudt, s, r)
+        c = float(x0[0].numel()) if h.loss_c is None else float(h.loss_c)
+        loss = adaptive_loss(u, target, c)
+        diff = u.detach() - target
+        return {"loss": loss, "mse": diff.pow(2).mean(), "r_equal_s": (r == s).float().mean(),
+                "u_minus_target": diff}
+
+    # ------------------------------------------------------------------ stage 2
+    def student_sample(self, x0: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int) -> torch.Tensor:
+        """The generator's x_hat = x_{t_i} - t_i y_hat [B, *latent] with y_hat from all N inner steps, with gradients
+        through the head and the backbone (DMD2-v with flow-head rollout)."""
+        t, _, x_t = self._outer_point(x0, idx, it)
+        feats = self.student.features(x_t, t, cond)
+        inner = transition_grid(self.sampler.inner_steps, self.sampler.inner_shift, self.sampler.t_max)
+        y1 = randn_per_sample(x0.shape[1:], mix_seed(self.hparams.seed, it), idx, stream=_S_INNER_NOISE,
+                              device=x0.device)
+        y_hat = inner_flow(self.student, feats, t, y1, inner, self.hparams.parameterization)
+        shape = (-1,) + (1,) * (x0.ndim - 1)
+        return x_t - t.view(shape) * y_hat.float()
+
+    def vsd_step_loss(self, x_hat: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int) -> dict:
+        """DMD2-v's VSD loss of the generator's samples x_hat (with their graph)."""
+        h = self.hparams
+        sigma, _, x_sigma = dmd_noised(x_hat, idx, mix_seed(h.seed, it), _S_DMD, h.dmd_shift, h.min_timestep,
+                                       h.max_timestep, frame_dim=self.frame_dim)
+        with torch.no_grad():
+            x0_fake = ScoreRole(self.generator, self.critic).x0(x_sigma, sigma, cond)
+            w = h.teacher_cfg_scale
+            x0_real = real_x0(self._teacher(), x_sigma, sigma, cond, w, self._negative_cond(len(cond)) if w != 1.0
+                              else None)
+        g = vsd_gradient(x0_fake, x0_real)
+        return {"loss": vsd_loss(x_hat, g), "g_rms": g.float().pow(2).mean().sqrt()}
+
+    def critic_step_loss(self, x_hat: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int) -> dict:
+        """The critic's flow-matching loss on the student's samples (detached)."""
+        h = self.hparams
+        x = x_hat.detach().float()
+        sigma, eps, x_sigma = dmd_noised(x, idx, mix_seed(h.seed, it), _S_CRITIC, h.dmd_shift, h.min_timestep,
+                                         h.max_timestep, frame_dim=self.frame_dim)
+        v = ScoreRole(self.generator, self.critic).velocity(x_sigma, sigma, cond)
+        return {"loss": critic_loss(v, x, eps, frame_dim=self.frame_dim)}
+
+    # ------------------------------------------------------------------ training
+    def _update(self, optimizer, loss: torch.Tensor, role: str, counted: bool = True) -> None:
+        """Back-propagate ``loss`` (finite, or FloatingPointError naming ``role``), clip to ``max_grad_norm`` and step
+        ``optimizer`` (``counted``: as a trainer step; else :func:`step_uncounted`)."""
+        it = int(self.iteration)
+        check_finite(loss, role, it, " or check the data latents" if role == "student" else
+                     " or check the teacher / critic weights")
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        if self.hparams.max_grad_norm > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm,
+                                gradient_clip_algorithm="norm")
+        if counted:
+            optimizer.step()
+        else:
+            step_uncounted(self, optimizer)
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        x0, prompts, idx = self._data(batch)
+        it = int(self.iteration)
+        bs = len(prompts)
+        if self.hparams.stage == "meanflow":
+            out = self.meanflow_loss(x0, prompts, idx, it)
+            self._update(self.optimizers(), out["loss"], "student")
+            sched = self.lr_schedulers()
+            if sched is not None:
+                sched.step()
+            self.log("train/loss", out["loss"].detach(), prog_bar=True, batch_size=bs)
+            self.log("train/mse", out["mse"], batch_size=bs)
+            self.log("train/r_equal_s", out["r_equal_s"], batch_size=bs)
+        else:
+            opt_g, opt_c = self.optimizers()
+            cond = self.generator.encode_prompts(prompts)
+            if it % self.hparams.critic_updates_per_generator_update == 0:
+                x_hat = self.student_sample(x0, cond, idx, it)
+                out = self.vsd_step_loss(x_hat, cond, idx, it)
+                self._update(opt_g, out["loss"], "generator", counted=False)  # the critic's step counts
+                self.log("train/generator_loss", out["loss"].detach(), batch_size=bs)
+                self.log("train/vsd_grad_rms", out["g_rms"], batch_size=bs)
+                x_hat = x_hat.detach()
+            else:
+                with torch.no_grad():
+                    x_hat = self.student_sample(x0, cond, idx, it)
+            out_c = self.critic_step_loss(x_hat, cond, idx, it)
+            self._update(opt_c, out_c["loss"], "critic")
+            self.log("train/critic_loss", out_c["loss"].detach(), prog_bar=True, batch_size=bs)
+        self.iteration += 1
+        self.log("train/iteration", float(self.iteration), batch_size=bs)
+
+    # ------------------------------------------------------------------ sampling / validation / export
+    @torch.no_grad()
+    def generate(self, prompts: list[str], latent_shape, indices: torch.Tensor | None = None,
+                 config: TransitionConfig | None = None) -> torch.Tensor:
+        """Videos [B, T, C, H, W] in [0, 1] from the transition sampler (default: the configured M, N)."""
+        cond = self.generator.encode_prompts(prompts)
+        idx = torch.arange(len(prompts)) if indices is None else torch.as_tensor(indices).cpu()
+        out = transition_rollout(self.student, cond, tuple(latent_shape), self.hparams.seed, idx,
+                                 config or self.sampler)
+        return self.generator.decode(out.latents)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> dict:
+        prompts = list(batch["prompts"])
+        latent_shape = self.generator.encode(batch["pixels"][:1]).shape[1:]
+        videos = self.generate(prompts, latent_shape, batch.get("index"))
+        self.log("val/effective_nfe", self.effective_nfe, batch_size=len(prompts))
+        return log_validation_rewards(self, self.scorer, videos, prompts)
+
+    def export_extra(self, dirpath: str) -> None:
+        """Write the flow head (``flow_head.safetensors``) and its config with the sampler (``flow_head.json``) into
+        an export folder (called by :class:`~genrl.callbacks.DiffusersExport`)."""
+        save_head(self.flow_head, dirpath, {
+            "head_layers": self.hparams.head_layers, "head_time": self.hparams.head_time,
+            "gate_init": self.hparams.gate_init, "parameterization": self.hparams.parameterization,
+            "outer_steps": self.sampler.outer_steps,
+            "inner_steps": self.sampler.inner_steps, "outer_shift": self.sampler.outer_shift,
+            "inner_shift": self.sampler.inner_shift, "t_max": self.sampler.t_max,
+            "effective_nfe": self.effective_nfe})
+
+
+def save_head(head: torch.nn.Module, dirpath: str | Path, config: dict) -> Path:
+    """Save a flow head's weights (safetensors) and ``config`` (JSON) into ``dirpath``; returns the weights' path."""
+    from safetensors.torch import save_file
+
+    folder = Path(dirpath)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / HEAD_WEIGHTS_FILE
+    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(path))
+    (folder / HEAD_CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return path
+
+
+def load_head(head: torch.nn.Module, dirpath: str | Path) -> dict:
+    """Load ``flow_head.safetensors`` from ``dirpath`` into ``head`` (strict); returns the folder's head config.
+
+    Raises:
+        FileNotFoundError: no flow head in the folder (names the stage-1 export it should come from).
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(dirpath)
+    path = folder / HEAD_WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"head_init {str(folder)!r} holds no {HEAD_WEIGHTS_FILE}; point it at the export "
+                                f"folder of a TMD stage-1 run (stage: meanflow), e.g. runs/tmd_shapes_meanflow/export")
+    head.load_state_dict(load_file(str(path)))
+    cfg = folder / HEAD_CONFIG_FILE
+    return json.loads(cfg.read_text()) if cfg.is_file() else {}
+
+
+def load_transition_model(folder: str | Path, text_encoder: str | None = None, **load_kwargs):
+    """A TMD export (``DiffusersExport`` of a TMD run: the student's transformer + ``flow_head.*``) as a sampler-ready
+    student: returns ``(generator, TransitionModel, TransitionConfig)``, the sampler being the run's (M, N, shifts,
+    parameterization). ``text_encoder`` / ``load_kwargs`` go to :func:`genrl.models.loading.load_generator`.
+
+    Raises:
+        FileNotFoundError: the folder is not a model folder, or it holds no flow head (not a TMD export).
+    """
+    from genrl.models.loading import load_generator
+
+    cfg_path = Path(folder) / HEAD_CONFIG_FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} holds no {HEAD_CONFIG_FILE}: not the export of a TMD run")
+    cfg = json.loads(cfg_path.read_text())
+    gen = load_generator(folder, text_encoder=text_encoder, **load_kwargs)
+    head = FlowHead(trunk_adapter(gen), num_layers=cfg["head_layers"], gate_init=cfg["gate_init"],
+                    head_time=cfg["head_time"])
+    load_head(head, folder)
+    config = TransitionConfig(outer_steps=cfg["outer_steps"], inner_steps=cfg["inner_steps"],
+                              outer_shift=cfg["outer_shift"], inner_shift=cfg["inner_shift"], t_max=cfg["t_max"],
+                              parameterization=cfg.get("parameterization", "denoiser"))
+    return gen, TransitionModel(gen, head.eval()), config
