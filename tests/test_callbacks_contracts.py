@@ -262,3 +262,38 @@ def test_export_only_on_global_rank_zero(tmp_path):
     out = tmp_path / "export"
     DiffusersExport(str(out)).on_train_end(_trainer(global_zero=False), _exportable(eval_config=_EVAL))
     assert not out.exists()
+
+
+def test_ema_include_takes_a_list_of_prefixes():
+    """``include`` as a list averages the parameters under any of its prefixes (TMD: student and flow head), and only
+    those: a one-prefix list equals the string form."""
+    module = _Module()
+    both = EMA(include=["generator.", "critic."])
+    both.on_fit_start(None, module)
+    assert set(both.shadow) == TRAINED
+    one = EMA(include=["critic."])
+    one.on_fit_start(None, module)
+    assert set(one.shadow) == {"critic.weight", "critic.bias"}
+    assert set(EMA(include="critic.")._trainable(module)) == set(one.shadow)
+
+
+def test_role_optimizers_join_roles_into_one_optimizer():
+    """``Roles.optimizers(joined=...)``: a joined role's parameters follow the named role's own in its optimizer; a
+    joined key that gets no optimizer, or a joined role that is not trainable, is an error naming it."""
+    from genrl.models.roles import Roles
+
+    owner = nn.Module()
+    roles = Roles(owner)
+    roles.trainable("generator", nn.Linear(3, 2))
+    roles.trainable("flow_head", nn.Linear(2, 2))
+    roles.trainable("critic", nn.Linear(2, 1))
+    roles.frozen("teacher", nn.Linear(2, 1))
+    opt_g, opt_c = roles.optimizers(joined={"generator": ["flow_head"]}, generator=torch.optim.SGD,
+                                    critic=torch.optim.SGD)
+    params = opt_g.param_groups[0]["params"]
+    assert params == [*owner.generator.parameters(), *owner.flow_head.parameters()]
+    assert opt_c.param_groups[0]["params"] == list(owner.critic.parameters())
+    with pytest.raises(ValueError, match=r"joined names \['flow'\]"):
+        roles.optimizers(joined={"flow": ["flow_head"]}, generator=torch.optim.SGD)
+    with pytest.raises(ValueError, match="'teacher': not a trainable role"):
+        roles.optimizers(joined={"generator": ["teacher"]}, generator=torch.optim.SGD)
