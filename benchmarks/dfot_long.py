@@ -74,10 +74,9 @@ def long_rollouts(gen, prompts, real, k, rule, steps, context, batch):
 def window_metrics(verifier, videos, real, prompts) -> dict[str, list[float]]:
     """Per disjoint 8-frame window: mean reward / all-correct / direction / speed / consistency, centroid error
     (px, on the torus), mass ratio (generated / real foreground mass) and frozen fraction among moving captions."""
-    from dfot_shapes import _velocity
 
     from genrl.data.shapes import parse_caption, position_error
-    from genrl.rewards.shapes import score_windows
+    from genrl.rewards.shapes import score_windows, track_velocity
 
     scores = score_windows(verifier, videos, prompts, WINDOW)
     out: dict[str, list[float]] = {}
@@ -92,7 +91,7 @@ def window_metrics(verifier, videos, real, prompts) -> dict[str, list[float]]:
         e = position_error(g["centroid"], r["centroid"], verifier.world)
         err.append(float(e[both].mean()) if both.any() else float("nan"))
         mass.append(float(g["mass"].sum() / r["mass"].sum().clamp(min=1e-8)))
-        speed = _velocity(g["track"], g["nonempty"]).norm(dim=-1)
+        speed = track_velocity(g["track"], g["nonempty"])[0].norm(dim=-1)
         frozen.append(float((speed[moving] < FROZEN_PX_PER_FRAME).float().mean()))
     out.update(centroid_error_px=err, mass_ratio=mass, frozen_fraction=frozen)
     return out

@@ -62,24 +62,13 @@ def train(seed: int, steps: int, mode: str, root: Path, overlays: tuple[str, ...
     return fit_in(root / f"{mode}{tag}_s{seed}", args)
 
 
-def _velocity(centroid: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """Least-squares velocity [B, 2] (px / frame) of centroid tracks [B, T, 2] over the frames where ``ok``."""
-    t = torch.arange(centroid.shape[1], dtype=centroid.dtype)
-    w = ok.to(centroid.dtype)
-    n = w.sum(1).clamp(min=1)
-    tm = (w * t).sum(1) / n
-    cm = (w[..., None] * centroid).sum(1) / n[:, None]
-    dt = w * (t - tm[:, None])
-    var = (dt * (t - tm[:, None])).sum(1)
-    return (dt[..., None] * (centroid - cm[:, None])).sum(1) / var.clamp(min=1e-8)[:, None]
-
-
 def continuation_metrics(verifier, videos, real, prompts, k: int) -> dict[str, float]:
     """Verifier scores of the whole videos, centroid error of frames k.. against the real continuation, and the
     frozen fraction among moving captions."""
     import ar_distill_shapes as ads
 
     from genrl.data.shapes import parse_caption
+    from genrl.rewards.shapes import track_velocity
 
     out = ads._score(verifier, videos, prompts)
     gen_m, real_m = verifier.measure(videos[:, k:]), verifier.measure(real[:, k:])
@@ -87,7 +76,7 @@ def continuation_metrics(verifier, videos, real, prompts, k: int) -> dict[str, f
     err = (gen_m["centroid"] - real_m["centroid"]).norm(dim=-1)
     out["centroid_error_px"] = float(err[both].mean()) if both.any() else float("nan")
     moving = torch.tensor([any(d != "still" for d in parse_caption(p, verifier.world).directions) for p in prompts])
-    speed = _velocity(gen_m["centroid"], gen_m["nonempty"]).norm(dim=-1)
+    speed = track_velocity(gen_m["centroid"], gen_m["nonempty"])[0].norm(dim=-1)
     out["frozen_fraction"] = float((speed[moving] < FROZEN_PX_PER_FRAME).float().mean())
     return out
 

@@ -264,3 +264,20 @@ def test_protocol_with_a_differentiable_reward(brightness_registered):
         r.saliency(torch.rand(1, 2, 3, 4, 4), ["x"], dims=["blue"])
     with pytest.raises(TypeError):
         RewardModel()  # abstract
+
+
+def test_track_velocity_is_the_least_squares_slope_over_the_masked_frames():
+    """A straight track (1.5, -0.5) px / frame with garbage on unmasked frames gives exactly that slope; one masked
+    frame is not ok (velocity 0)."""
+    from genrl.rewards.shapes import track_velocity
+
+    t = torch.arange(8, dtype=torch.float64)
+    track = torch.stack([3 + 1.5 * t, 10 - 0.5 * t], dim=-1)[None].repeat(2, 1, 1)
+    track[:, 2] = 100.0  # off the line, masked out below
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[:, 2] = False
+    mask[1] = False
+    mask[1, 5] = True
+    vel, ok = track_velocity(track, mask)
+    assert torch.allclose(vel[0], torch.tensor([1.5, -0.5], dtype=torch.float64), atol=1e-12)
+    assert ok.tolist() == [True, False] and torch.equal(vel[1], torch.zeros(2, dtype=torch.float64))

@@ -88,7 +88,7 @@ from genrl.data.shapes import (
 from genrl.rewards.base import RewardModel
 from genrl.rewards.registry import register_reward
 
-__all__ = ["ShapesVerifier", "ShapesVideoReward", "score_windows"]
+__all__ = ["ShapesVerifier", "ShapesVideoReward", "score_windows", "track_velocity"]
 
 _THRESHOLD = 0.1  # foreground margin above the per-frame median intensity
 _EMPTY_FRACTION = 0.2  # a frame is empty below this fraction of the smallest calibrated object mass
@@ -133,6 +133,25 @@ def _tau(dmin: float, k: int, eps: float) -> float:
     if k < 2 or dmin <= 0:
         return 1.0
     return dmin * dmin / math.log((k - 1) / eps)
+
+
+def track_velocity(centroid: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Least-squares velocity of centroid tracks: the slope of a line fitted to ``centroid`` [B, T, 2] (pixels) over
+    the frames where ``mask`` [B, T] (bool) holds, in pixels per frame.
+
+    Returns:
+        (velocity [B, 2] in the centroids' dtype, ok [B] bool: the masked frames span a time variance > 1e-6, i.e. at
+        least two distinct frames; velocity is 0 where there is no masked frame).
+    """
+    t = torch.arange(centroid.shape[1], dtype=centroid.dtype, device=centroid.device)
+    wt = mask.to(centroid.dtype)
+    n = wt.sum(1).clamp(min=1e-8)
+    tm = (wt * t).sum(1) / n
+    cm = (wt[..., None] * centroid).sum(1) / n[:, None]
+    dt = (t - tm[:, None]) * wt
+    var = (dt * (t - tm[:, None])).sum(1)
+    vel = (dt[..., None] * (centroid - cm[:, None])).sum(1) / var.clamp(min=1e-8)[:, None]
+    return vel, var > 1e-6
 
 
 @register_reward("shapes")
@@ -347,16 +366,7 @@ class ShapesVerifier(RewardModel):
 
     @staticmethod
     def _velocity(centroid: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """Least-squares velocity [B, 2] of the centroid over frames where ``mask`` [B, T]; ok when >= 2 frames."""
-        t = torch.arange(centroid.shape[1], dtype=centroid.dtype, device=centroid.device)
-        wt = mask.to(centroid.dtype)
-        n = wt.sum(1).clamp(min=1e-8)
-        tm = (wt * t).sum(1) / n
-        cm = (wt[..., None] * centroid).sum(1) / n[:, None]
-        dt = (t - tm[:, None]) * wt
-        var = (dt * (t - tm[:, None])).sum(1)
-        vel = (dt[..., None] * (centroid - cm[:, None])).sum(1) / var.clamp(min=1e-8)[:, None]
-        return vel, var > 1e-6
+        return track_velocity(centroid, mask)
 
     def _direction_probs(self, vel: Tensor, ok: Tensor) -> Tensor:
         d2 = ((vel[:, None, None, :] - self.direction_protos[None]) ** 2).sum(-1).amin(-1)  # [B, Kd]
