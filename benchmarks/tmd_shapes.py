@@ -31,13 +31,14 @@ sys.path.insert(0, str(ROOT))
 GRID = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)]
 
 
-def train(seed: int, root: Path, steps1: int, steps2: int) -> dict:
-    """Stage 1 then stage 2 for one seed; returns their exports and wall seconds."""
+def train(seed: int, root: Path, steps1: int, steps2: int, overrides: tuple[str, ...] = ()) -> dict:
+    """Stage 1 then stage 2 for one seed (``overrides``: further ``--key=value`` arguments of both runs); returns their
+    exports and wall seconds."""
     from fit_runs import fit_in
 
     common = [f"--seed_everything={seed}", f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}",
               "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
-              "--data.init_args.num_workers=0"]
+              "--data.init_args.num_workers=0", *overrides]
     s1, w1 = fit_in(root / f"s{seed}" / "meanflow", [
         "fit", "--config", str(ROOT / "configs/tmd/shapes_meanflow.yaml"),
         f"--model.init_args.generator.pretrained={ROOT / 'assets/shapes-dit'}", f"--trainer.max_steps={steps1}",
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stage1-steps", type=int, default=400)
     p.add_argument("--stage2-steps", type=int, default=300)
     p.add_argument("--root", default="runs/tmd_shapes_bench")
+    p.add_argument("--override", action="append", default=[],
+                   help="a further genrl fit argument for both stages, e.g. --override=--model.init_args.gate_init=0")
     p.add_argument("--no-train", action="store_true", help="evaluate --models only")
     p.add_argument("--models", nargs="*", default=[], help="name=export folder of a TMD run (evaluated per seed "
                                                            "listed in the name's suffix _s<seed>, else seed 0)")
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     exports: dict[str, dict[int, str]] = {}
     if not args.no_train:
         for seed in args.seeds:
-            run = train(seed, Path(args.root), args.stage1_steps, args.stage2_steps)
+            run = train(seed, Path(args.root), args.stage1_steps, args.stage2_steps, tuple(args.override))
             result["runs"][str(seed)] = run
             print(f"seed {seed}: stage 1 {run['meanflow_seconds']:.0f} s, stage 2 {run['dmd_seconds']:.0f} s",
                   flush=True)
@@ -115,8 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
                  "effective_nfe": nfe}
         result["models"][name] = entry
         s = entry["scores"]
-        print(f"{name:>18s}: NFE {nfe:5.2f}  reward {s['reward']['mean']:.3f}±{s['reward']['std']:.3f}  all-correct "
-              f"{s['all_correct']['mean']:.3f}±{s['all_correct']['std']:.3f}  fd_pix {entry['fd_pix']:.1f}  "
+        spread = (lambda k: f"±{s[k]['std']:.3f}") if len(per_seed) > 1 else (lambda k: " (1 seed)")
+        print(f"{name:>18s}: NFE {nfe:5.2f}  reward {s['reward']['mean']:.3f}{spread('reward')}  all-correct "
+              f"{s['all_correct']['mean']:.3f}{spread('all_correct')}  fd_pix {entry['fd_pix']:.1f}  "
               f"{entry['fps_cpu']:.0f} frames/s", flush=True)
 
     if args.teacher:

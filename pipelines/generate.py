@@ -273,6 +273,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     t0 = time.perf_counter()
+    if (Path(args.model) / "flow_head.json").is_file():
+        raise SystemExit(f"{args.model} is a TMD export (it has a flow head): generate.py has no transition-sampler "
+                         f"mode yet and would sample its transformer as a plain model; sample it with "
+                         f"genrl.methods.tmd.load_transition_model + genrl.rollout.transition.transition_rollout, or "
+                         f"evaluate it with benchmarks/tmd_shapes.py --no-train --models name={args.model} "
+                         f"(docs/methods/tmd.md)")
     gen = load_generator(args.model, text_encoder=args.text_encoder, height=args.height, width=args.width,
                          num_frames=args.frames, torch_dtype=dtype, use_ema=not args.no_ema,
                          pretrained=args.pretrained)

@@ -397,3 +397,14 @@ def test_limit_beyond_the_prompt_source_says_so_and_a_limit_below_one_is_refused
                        str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
     assert "asks for more prompts" not in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_generate_refuses_a_tmd_export_instead_of_sampling_it_wrongly(tmp_path, monkeypatch):
+    """A TMD export (a transformer plus flow_head.*) would sample as a plain model, ignoring its head: generate.py
+    stops before loading anything and names the TMD sampler and the evaluation script."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "flow_head.json").write_text("{}")
+    _no_model(monkeypatch)
+    with pytest.raises(SystemExit, match="TMD export .*load_transition_model.*tmd_shapes.py"):
+        generate.main(["--model", str(export), "--prompt", PROMPTS[0], "--out", str(tmp_path / "o")])

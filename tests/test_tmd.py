@@ -149,8 +149,29 @@ def test_bad_arguments_fail_early_with_the_value_named(tiny_policy, tiny_text_en
         TMD(generator={"family": "wan", "components": {}}, stage="dmd")
     model = TMD(generator={"family": "dit", "pretrained": tiny_policy, "text_encoder": tiny_text_encoder},
                 head_init=str(ROOT / "assets"))
-    with pytest.raises(FileNotFoundError, match="stage-1 run"):
+    with pytest.raises(FileNotFoundError, match="holds no flow_head.safetensors: stage 2 starts from"):
         model.configure_model()
+    missing = TMD(generator={"family": "dit", "pretrained": tiny_policy, "text_encoder": tiny_text_encoder},
+                  head_init="runs/no_such_stage1/export")
+    with pytest.raises(FileNotFoundError, match="does not exist: stage 2 .* run it first"):
+        missing.configure_model()
+
+
+def test_a_head_trained_at_another_split_point_is_refused(tmp_path, tiny_policy, tiny_text_encoder):
+    """head_init's flow_head.json records head_layers / head_time / parameterization; a run that sets other values
+    fails naming both (the head's parameters do not depend on H, so loading alone would not notice)."""
+    from genrl.methods.tmd import save_head
+
+    first = _method(tiny_policy, tiny_text_encoder)
+    save_head(first.flow_head, tmp_path, {"head_layers": 1, "head_time": "inner", "parameterization": "denoiser"})
+    same = _method(tiny_policy, tiny_text_encoder, head_init=str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(same.flow_head.state_dict().values(),
+                                                 first.flow_head.state_dict().values()))
+    with pytest.raises(ValueError, match=r"trained with head_time='inner'; this run sets head_time='outer'"):
+        _method(tiny_policy, tiny_text_encoder, head_init=str(tmp_path), head_time="outer")
+    with pytest.raises(ValueError, match="head_layers"):
+        TMD(generator={"family": "dit", "pretrained": tiny_policy, "text_encoder": tiny_text_encoder},
+            head_layers=2).configure_model()  # the tiny model has 2 blocks: 1 <= head_layers <= 1
 
 
 def _shapes_args(tiny_policy, tiny_text_encoder, config: str, out: Path, **extra) -> list[str]:

@@ -230,11 +230,24 @@ class TMD(LightningModule):
                              f"the transformer's submodules directly, so the root FSDP unit's hooks (its embeddings "
                              f"and output layers) never run; use DDP (configs/trainer/ddp.yaml) or one device")
         h = self.hparams
+        if h.head_init is not None and not (Path(h.head_init) / HEAD_WEIGHTS_FILE).is_file():
+            state = "does not exist" if not Path(h.head_init).exists() else f"holds no {HEAD_WEIGHTS_FILE}"
+            raise FileNotFoundError(f"head_init {str(h.head_init)!r} {state}: stage 2 starts from the export of a TMD "
+                                    f"stage-1 run (stage: meanflow); run it first (e.g. genrl fit --config "
+                                    f"configs/tmd/shapes_meanflow.yaml writes runs/tmd_shapes_meanflow/export), or "
+                                    f"set head_init: null for a fresh head")
         gen = self.roles.trainable("generator", build_policy(self.generator_spec, h.lora))
         adapter = trunk_adapter(gen)
         head = FlowHead(adapter, num_layers=h.head_layers, gate_init=h.gate_init, head_time=h.head_time)
         if h.head_init is not None:
-            load_head(head, h.head_init)
+            saved = load_head(head, h.head_init)
+            wrong = {k: (saved[k], h[k]) for k in ("head_layers", "head_time", "parameterization")
+                     if k in saved and saved[k] != h[k]}
+            if wrong:
+                raise ValueError(f"the flow head in head_init {str(h.head_init)!r} was trained with "
+                                 + ", ".join(f"{k}={a!r}" for k, (a, _) in wrong.items()) + "; this run sets "
+                                 + ", ".join(f"{k}={b!r}" for k, (_, b) in wrong.items())
+                                 + ": use the stage-1 values (the head is tied to its split point and inner flow)")
         self.roles.trainable("flow_head", head)
         # not a child module: the generator and the head are roles of their own (a second registration would store
         # the head twice in every checkpoint)

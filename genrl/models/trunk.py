@@ -600,8 +600,9 @@ class FlowHead(nn.Module):
         total = int(adapter.num_layers)
         num_layers = int(num_layers)
         if not 1 <= num_layers < total:
-            raise ValueError(f"flow head num_layers H = {num_layers} is out of range: need 1 <= H < L = {total} "
-                             f"(the backbone keeps at least one block)")
+            raise ValueError(f"flow head num_layers H = {num_layers} (TMD's head_layers) is out of range for a "
+                             f"transformer of L = {total} blocks: use 1 <= head_layers <= {total - 1} (the backbone "
+                             f"keeps at least one block)")
         if head_time not in ("inner", "outer"):
             raise ValueError(f"head_time must be 'inner' or 'outer', got {head_time!r}")
         if freq_dim % 2:
