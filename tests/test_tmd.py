@@ -39,27 +39,29 @@ def _close_gate(model: TMD) -> None:
         model.flow_head.alpha.fill_(-float("inf"))  # sigmoid(-inf) == 0: the head sees the backbone's tokens only
 
 
-def _spy_features(model: TMD) -> list:
-    """Record every (x_t, t) the student's backbone is called with."""
-    seen, real = [], model.student.features
+def _spy_features(monkeypatch) -> list:
+    """Record every (x_t, t) the student's backbone is called with (TransitionModel.features, for this test)."""
+    from genrl.models.trunk import TransitionModel
 
-    def features(x, t, cond):
+    seen, real = [], TransitionModel.features
+
+    def features(self, x, t, cond):
         seen.append((x.detach().clone(), t.detach().clone()))
-        return real(x, t, cond)
+        return real(self, x, t, cond)
 
-    object.__setattr__(model.student, "features", features)
+    monkeypatch.setattr(TransitionModel, "features", features)
     return seen
 
 
 @pytest.mark.parametrize("parameterization", ["noise", "denoiser"])
 def test_closed_gate_stage1_loss_is_the_teachers_flow_matching_error(tiny_policy, tiny_text_encoder,
-                                                                     parameterization):
+                                                                     parameterization, monkeypatch):
     """With the gate closed, the head's time at t_i and r = s always, the head returns the teacher velocity v_T(x_t, t),
     the target is the conditional velocity v = y1 - y, so u - target is y - v_T ("noise") or (y - v_T) / s
     ("denoiser"), with y = x1 - x0: the stage-1 error is the teacher's flow-matching error at x_t, in closed form."""
     model = _method(tiny_policy, tiny_text_encoder, p_equal=1.0, head_time="outer", parameterization=parameterization)
     _close_gate(model)
-    seen = _spy_features(model)
+    seen = _spy_features(monkeypatch)
     x0 = torch.randn(4, 8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     idx = torch.tensor([5, 0, 9, 2])
     out = model.meanflow_loss(x0, PROMPTS, idx, it=2)
@@ -83,7 +85,7 @@ def test_closed_gate_stage1_loss_is_the_teachers_flow_matching_error(tiny_policy
     assert float(out["r_equal_s"]) == 1.0
 
 
-def test_cfg_scale_shifts_the_stage1_target_by_the_teachers_guidance(tiny_policy, tiny_text_encoder):
+def test_cfg_scale_shifts_the_stage1_target_by_the_teachers_guidance(tiny_policy, tiny_text_encoder, monkeypatch):
     """meanflow_cfg_scale w: y becomes y + (w - 1)(v_T(x_t, c) - v_T(x_t, null)); with a closed gate the error
     changes by exactly that term (w = 1: no teacher role at all)."""
     kwargs = dict(p_equal=1.0, head_time="outer", parameterization="noise")
@@ -96,7 +98,7 @@ def test_cfg_scale_shifts_the_stage1_target_by_the_teachers_guidance(tiny_policy
     for m in (plain, guided):
         _close_gate(m)
         outs.append(m.meanflow_loss(x0, PROMPTS, idx, it=0)["u_minus_target"])
-    seen = _spy_features(guided)
+    seen = _spy_features(monkeypatch)
     guided.meanflow_loss(x0, PROMPTS, idx, it=0)
     (x_t, t), = seen
     gen = guided.generator
@@ -107,14 +109,15 @@ def test_cfg_scale_shifts_the_stage1_target_by_the_teachers_guidance(tiny_policy
     assert torch.allclose(outs[1] - outs[0], 2.0 * (v_c - v_u), atol=2e-4)
 
 
-def test_closed_gate_stage2_sample_is_the_teachers_x0_and_gradients_reach_everything(tiny_policy, tiny_text_encoder):
+def test_closed_gate_stage2_sample_is_the_teachers_x0_and_gradients_reach_everything(tiny_policy, tiny_text_encoder,
+                                                                                    monkeypatch):
     """Stage 2's generator sample x_hat = x_t - t y_hat: with the gate closed, the head's time at t_i and the
     "denoiser" inner flow (which telescopes to y_hat for any N), it is the teacher's x0 prediction x_t - t v_T(x_t, t);
     with an open gate the VSD loss sends gradients to the backbone, the head's own parts and the head blocks."""
     model = _method(tiny_policy, tiny_text_encoder, stage="dmd", head_time="outer", inner_steps=3,
                     teacher={"pretrained": tiny_policy})
     _close_gate(model)
-    seen = _spy_features(model)
+    seen = _spy_features(monkeypatch)
     x0 = torch.randn(2, 8, 3, 16, 16, generator=torch.Generator().manual_seed(2))
     cond = model.generator.encode_prompts(PROMPTS[:2])
     idx = torch.tensor([4, 7])
@@ -303,7 +306,7 @@ def test_stage1_target_subtracts_the_derivative_along_the_conditional_path(tiny_
         return seen["s"], seen["r"]
 
     monkeypatch.setattr(tmd_mod, "sample_inner_times", draw)
-    feats_seen = _spy_features(model)
+    feats_seen = _spy_features(monkeypatch)
     x0 = torch.randn(3, 8, 3, 16, 16, generator=torch.Generator().manual_seed(4))
     idx = torch.tensor([1, 6, 8])
     out = model.meanflow_loss(x0, PROMPTS[:3], idx, it=5)

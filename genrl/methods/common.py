@@ -22,7 +22,7 @@ from genrl.rollout.sampler import RolloutConfig
 __all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "build_policy", "build_student", "check_finite",
            "configure_policy", "configure_policy_optimizer", "default_latent_shape", "frame_shape_of", "gather_batch",
            "linear_warmup", "local_mini_batch", "log_validation_rewards", "ode_validation_config", "policy_optimizer",
-           "policy_spec", "rank_slice", "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
+           "backward_step", "policy_spec", "rank_slice", "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -317,3 +317,21 @@ def step_uncounted(method: LightningModule, optimizer) -> None:
         optimizer.step()
         return
     trainer.strategy.optimizer_step(optimizer.optimizer, lambda: None)
+
+
+def backward_step(method: LightningModule, optimizer, loss: torch.Tensor, role: str, hint: str = "",
+                  counted: bool = True) -> None:
+    """One manual-optimization update of ``method``: check ``loss`` is finite (FloatingPointError naming ``role``, the
+    iteration and ``hint``), zero the gradients, back-propagate, clip to ``method.hparams.max_grad_norm`` (when > 0)
+    and step ``optimizer`` (``counted``: as a trainer step; else :func:`step_uncounted`, for the secondary network of
+    an iteration)."""
+    check_finite(loss, role, int(method.iteration), hint)
+    optimizer.zero_grad()
+    method.manual_backward(loss)
+    clip = method.hparams.get("max_grad_norm", 0.0)
+    if clip > 0:
+        method.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+    if counted:
+        optimizer.step()
+    else:
+        step_uncounted(method, optimizer)

@@ -34,7 +34,6 @@ repeats an uninterrupted one.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,13 +55,12 @@ from genrl.flow.tmd import (
 )
 from genrl.methods.common import (
     Scorer,
+    backward_step,
     build_policy,
-    check_finite,
     linear_warmup,
     log_validation_rewards,
     policy_spec,
     role_optimizers,
-    step_uncounted,
     trainer_of,
 )
 from genrl.methods.distill import ScoreRole, dmd_noised, real_x0
@@ -71,19 +69,25 @@ from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning
-from genrl.models.trunk import FlowHead, TransitionModel, trunk_adapter
+from genrl.models.trunk import (  # re-exported: the export layout of a TMD run
+    HEAD_CONFIG_FILE,
+    HEAD_WEIGHTS_FILE,
+    FlowHead,
+    TransitionModel,
+    load_head,
+    save_head,
+    trunk_adapter,
+)
 from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
-from genrl.rollout.transition import TransitionConfig, inner_flow, transition_rollout
+from genrl.rollout.transition import TransitionConfig, inner_flow, load_transition_model, transition_rollout
 
 __all__ = ["TMD", "HEAD_CONFIG_FILE", "HEAD_WEIGHTS_FILE", "load_head", "load_transition_model", "save_head"]
 
-#: files an export (and ``head_init``) holds for the flow head, beside the transformer's
-HEAD_WEIGHTS_FILE = "flow_head.safetensors"
-HEAD_CONFIG_FILE = "flow_head.json"
 
 # random streams of one training sample (genrl.noise)
 _S_X1, _S_OUTER, _S_INNER_NOISE, _S_INNER_TIME, _S_DROPOUT, _S_DMD, _S_CRITIC = 31, 32, 33, 34, 35, 36, 37
 _STAGES = ("meanflow", "dmd")
+_HINT = " or check the teacher / critic weights"
 
 
 class TMD(LightningModule):
@@ -213,7 +217,6 @@ class TMD(LightningModule):
         self.generator = None
         self.flow_head: FlowHead | None = None
         self.critic: torch.nn.Module | None = None
-        object.__setattr__(self, "student", None)  # TransitionModel(generator, flow_head), built in configure_model
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
@@ -249,9 +252,6 @@ class TMD(LightningModule):
                                  + ", ".join(f"{k}={b!r}" for k, (_, b) in wrong.items())
                                  + ": use the stage-1 values (the head is tied to its split point and inner flow)")
         self.roles.trainable("flow_head", head)
-        # not a child module: the generator and the head are roles of their own (a second registration would store
-        # the head twice in every checkpoint)
-        object.__setattr__(self, "student", TransitionModel(gen, head))
         if self.teacher_spec is not None:
             teacher = self.roles.frozen("teacher", self.teacher_spec.build())
             if h.stage == "dmd":
@@ -268,6 +268,12 @@ class TMD(LightningModule):
                                critic=self.critic_factory)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def student(self) -> TransitionModel | None:
+        """The student as the sampler sees it: a view over the ``generator`` and ``flow_head`` roles (built per access,
+        so it holds no network of its own), or None before :meth:`configure_model`."""
+        return None if self.generator is None else TransitionModel(self.generator, self.flow_head)
+
     @property
     def frame_dim(self) -> int:
         return int(getattr(self.generator, "frame_dim", 1))
@@ -381,29 +387,13 @@ class TMD(LightningModule):
         return {"loss": critic_loss(v, x, eps, frame_dim=self.frame_dim)}
 
     # ------------------------------------------------------------------ training
-    def _update(self, optimizer, loss: torch.Tensor, role: str, counted: bool = True) -> None:
-        """Back-propagate ``loss`` (finite, or FloatingPointError naming ``role``), clip to ``max_grad_norm`` and step
-        ``optimizer`` (``counted``: as a trainer step; else :func:`step_uncounted`)."""
-        it = int(self.iteration)
-        check_finite(loss, role, it, " or check the data latents" if role == "student" else
-                     " or check the teacher / critic weights")
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        if self.hparams.max_grad_norm > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm,
-                                gradient_clip_algorithm="norm")
-        if counted:
-            optimizer.step()
-        else:
-            step_uncounted(self, optimizer)
-
     def training_step(self, batch: dict, batch_idx: int) -> None:
         x0, prompts, idx = self._data(batch)
         it = int(self.iteration)
         bs = len(prompts)
         if self.hparams.stage == "meanflow":
             out = self.meanflow_loss(x0, prompts, idx, it)
-            self._update(self.optimizers(), out["loss"], "student")
+            backward_step(self, self.optimizers(), out["loss"], "student", " or check the data latents")
             sched = self.lr_schedulers()
             if sched is not None:
                 sched.step()
@@ -416,7 +406,7 @@ class TMD(LightningModule):
             if it % self.hparams.critic_updates_per_generator_update == 0:
                 x_hat = self.student_sample(x0, cond, idx, it)
                 out = self.vsd_step_loss(x_hat, cond, idx, it)
-                self._update(opt_g, out["loss"], "generator", counted=False)  # the critic's step counts
+                backward_step(self, opt_g, out["loss"], "generator", _HINT, counted=False)  # the critic's counts
                 self.log("train/generator_loss", out["loss"].detach(), batch_size=bs)
                 self.log("train/vsd_grad_rms", out["g_rms"], batch_size=bs)
                 x_hat = x_hat.detach()
@@ -424,7 +414,7 @@ class TMD(LightningModule):
                 with torch.no_grad():
                     x_hat = self.student_sample(x0, cond, idx, it)
             out_c = self.critic_step_loss(x_hat, cond, idx, it)
-            self._update(opt_c, out_c["loss"], "critic")
+            backward_step(self, opt_c, out_c["loss"], "critic", _HINT)
             self.log("train/critic_loss", out_c["loss"].detach(), prog_bar=True, batch_size=bs)
         self.iteration += 1
         self.log("train/iteration", float(self.iteration), batch_size=bs)
@@ -458,56 +448,3 @@ class TMD(LightningModule):
             "inner_shift": self.sampler.inner_shift, "t_max": self.sampler.t_max,
             "effective_nfe": self.effective_nfe})
 
-
-def save_head(head: torch.nn.Module, dirpath: str | Path, config: dict) -> Path:
-    """Save a flow head's weights (safetensors) and ``config`` (JSON) into ``dirpath``; returns the weights' path."""
-    from safetensors.torch import save_file
-
-    folder = Path(dirpath)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / HEAD_WEIGHTS_FILE
-    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(path))
-    (folder / HEAD_CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    return path
-
-
-def load_head(head: torch.nn.Module, dirpath: str | Path) -> dict:
-    """Load ``flow_head.safetensors`` from ``dirpath`` into ``head`` (strict); returns the folder's head config.
-
-    Raises:
-        FileNotFoundError: no flow head in the folder (names the stage-1 export it should come from).
-    """
-    from safetensors.torch import load_file
-
-    folder = Path(dirpath)
-    path = folder / HEAD_WEIGHTS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"head_init {str(folder)!r} holds no {HEAD_WEIGHTS_FILE}; point it at the export "
-                                f"folder of a TMD stage-1 run (stage: meanflow), e.g. runs/tmd_shapes_meanflow/export")
-    head.load_state_dict(load_file(str(path)))
-    cfg = folder / HEAD_CONFIG_FILE
-    return json.loads(cfg.read_text()) if cfg.is_file() else {}
-
-
-def load_transition_model(folder: str | Path, text_encoder: str | None = None, **load_kwargs):
-    """A TMD export (``DiffusersExport`` of a TMD run: the student's transformer + ``flow_head.*``) as a sampler-ready
-    student: returns ``(generator, TransitionModel, TransitionConfig)``, the sampler being the run's (M, N, shifts,
-    parameterization). ``text_encoder`` / ``load_kwargs`` go to :func:`genrl.models.loading.load_generator`.
-
-    Raises:
-        FileNotFoundError: the folder is not a model folder, or it holds no flow head (not a TMD export).
-    """
-    from genrl.models.loading import load_generator
-
-    cfg_path = Path(folder) / HEAD_CONFIG_FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{str(folder)!r} holds no {HEAD_CONFIG_FILE}: not the export of a TMD run")
-    cfg = json.loads(cfg_path.read_text())
-    gen = load_generator(folder, text_encoder=text_encoder, **load_kwargs)
-    head = FlowHead(trunk_adapter(gen), num_layers=cfg["head_layers"], gate_init=cfg["gate_init"],
-                    head_time=cfg["head_time"])
-    load_head(head, folder)
-    config = TransitionConfig(outer_steps=cfg["outer_steps"], inner_steps=cfg["inner_steps"],
-                              outer_shift=cfg["outer_shift"], inner_shift=cfg["inner_shift"], t_max=cfg["t_max"],
-                              parameterization=cfg.get("parameterization", "denoiser"))
-    return gen, TransitionModel(gen, head.eval()), config

@@ -31,7 +31,9 @@ SD3 ``[B, C, h, w]``); timesteps ``1000 sigma``.
 from __future__ import annotations
 
 import abc
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +47,8 @@ from genrl.models.generator import DiTGenerator
 from genrl.models.text_encoder import Conditioning
 
 __all__ = ["TrunkState", "TrunkAdapter", "DiTTrunk", "WanTrunk", "SD3Trunk", "trunk_adapter", "FlowHead",
-           "TransitionModel", "SUPPORTED_FAMILIES"]
+           "TransitionModel", "SUPPORTED_FAMILIES", "HEAD_CONFIG_FILE", "HEAD_WEIGHTS_FILE", "load_head",
+           "save_head"]
 
 #: generator classes :func:`trunk_adapter` can split, by family name.
 SUPPORTED_FAMILIES = ("dit (genrl.models.DiTGenerator, bidirectional)", "wan (WanGenerator)", "sd3 (SD3Generator)")
@@ -766,3 +769,37 @@ class TransitionModel(nn.Module):
     def forward(self, y: torch.Tensor, s, r, features: TrunkState, t: torch.Tensor | None = None) -> torch.Tensor:
         """Same as :meth:`head`."""
         return self.head(y, s, r, features, t)
+
+
+#: files an export (and TMD's ``head_init``) holds for the flow head, beside the transformer's
+HEAD_WEIGHTS_FILE = "flow_head.safetensors"
+HEAD_CONFIG_FILE = "flow_head.json"
+
+def save_head(head: torch.nn.Module, dirpath: str | Path, config: dict) -> Path:
+    """Save a flow head's weights (safetensors) and ``config`` (JSON) into ``dirpath``; returns the weights' path."""
+    from safetensors.torch import save_file
+
+    folder = Path(dirpath)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / HEAD_WEIGHTS_FILE
+    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(path))
+    (folder / HEAD_CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return path
+
+
+def load_head(head: torch.nn.Module, dirpath: str | Path) -> dict:
+    """Load ``flow_head.safetensors`` from ``dirpath`` into ``head`` (strict); returns the folder's head config.
+
+    Raises:
+        FileNotFoundError: no flow head in the folder (names the stage-1 export it should come from).
+    """
+    from safetensors.torch import load_file
+
+    folder = Path(dirpath)
+    path = folder / HEAD_WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"head_init {str(folder)!r} holds no {HEAD_WEIGHTS_FILE}; point it at the export "
+                                f"folder of a TMD stage-1 run (stage: meanflow), e.g. runs/tmd_shapes_meanflow/export")
+    head.load_state_dict(load_file(str(path)))
+    cfg = folder / HEAD_CONFIG_FILE
+    return json.loads(cfg.read_text()) if cfg.is_file() else {}

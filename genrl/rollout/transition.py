@@ -23,9 +23,11 @@ padded by repetition), so a sample's result does not depend on the batch it was 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -42,7 +44,7 @@ from genrl.noise import NoiseBackend, check_backend, randn_per_sample
 from genrl.rollout.sampler import BATCHING_MODES, call_plan
 
 __all__ = ["INNER_STREAM", "OUTER_STREAM", "TransitionConfig", "TransitionModelLike", "TransitionResult",
-           "inner_flow", "transition_rollout"]
+           "inner_flow", "load_transition_model", "transition_rollout"]
 
 #: the noise stream of the start noise x_{t_M} (step 0): the flat rollout's initial-noise stream.
 OUTER_STREAM = 0
@@ -322,3 +324,28 @@ def transition_rollout(
         velocities=torch.cat(vels) if record else None,
         inner_noise=y1s if record else None,
     )
+
+
+def load_transition_model(folder: str | Path, text_encoder: str | None = None, **load_kwargs):
+    """A TMD export (``DiffusersExport`` of a TMD run: the student's transformer + ``flow_head.*``) as a sampler-ready
+    student: returns ``(generator, TransitionModel, TransitionConfig)``, the sampler being the run's (M, N, shifts,
+    parameterization). ``text_encoder`` / ``load_kwargs`` go to :func:`genrl.models.loading.load_generator`.
+
+    Raises:
+        FileNotFoundError: the folder is not a model folder, or it holds no flow head (not a TMD export).
+    """
+    from genrl.models.loading import load_generator
+    from genrl.models.trunk import HEAD_CONFIG_FILE, FlowHead, TransitionModel, load_head, trunk_adapter
+
+    cfg_path = Path(folder) / HEAD_CONFIG_FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} holds no {HEAD_CONFIG_FILE}: not the export of a TMD run")
+    cfg = json.loads(cfg_path.read_text())
+    gen = load_generator(folder, text_encoder=text_encoder, **load_kwargs)
+    head = FlowHead(trunk_adapter(gen), num_layers=cfg["head_layers"], gate_init=cfg["gate_init"],
+                    head_time=cfg["head_time"])
+    load_head(head, folder)
+    config = TransitionConfig(outer_steps=cfg["outer_steps"], inner_steps=cfg["inner_steps"],
+                              outer_shift=cfg["outer_shift"], inner_shift=cfg["inner_shift"], t_max=cfg["t_max"],
+                              parameterization=cfg.get("parameterization", "denoiser"))
+    return gen, TransitionModel(gen, head.eval()), config
