@@ -26,7 +26,7 @@ from genrl.models.text_encoder import Conditioning
 from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
 from genrl.rollout.autoregressive import ARResult, ChunkSchedule, ar_rollout, sample_exit_step
 
-__all__ = ["CAUSAL_INTERFACE", "ScoreRole", "causal_samples", "causal_videos", "chunk_noise_levels",
+__all__ = ["CAUSAL_INTERFACE", "ScoreRole", "causal_samples", "causal_videos", "chunk_noise_levels", "negative_cond",
            "configure_student", "discriminator_advantages", "discriminator_loss", "dmd_noised", "exit_step_of",
            "paired_instance_noise", "real_x0", "student_rollout"]
 
@@ -104,6 +104,15 @@ def real_x0(teacher: ScoreRole, x_t: torch.Tensor, sigma: torch.Tensor, cond: Co
     if cfg_scale != 1.0:
         v_c = cfg_combine(v_c, teacher.velocity(x_t, sigma, negative).float(), cfg_scale)
     return x0_from_velocity(x_t.float(), sigma, v_c)
+
+
+def negative_cond(method: LightningModule, n: int) -> Conditioning:
+    """``n`` rows of the conditioning of ``method.hparams.negative_prompt`` (the unconditional prompt of a teacher's
+    CFG), encoded once per device by ``method.generator`` and cached on ``method._negative``."""
+    cached = getattr(method, "_negative", None)
+    if cached is None or cached.hidden_states.device != method.device:
+        cached = method._negative = method.generator.encode_prompts([method.hparams.negative_prompt])
+    return cached.select([0] * n)
 
 
 def exit_step_of(module: LightningModule, num_steps: int, seed: int, iteration: int,

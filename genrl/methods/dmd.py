@@ -41,6 +41,7 @@ from genrl.methods.distill import (
     configure_student,
     dmd_noised,
     exit_step_of,
+    negative_cond,
     real_x0,
     student_rollout,
 )
@@ -178,16 +179,11 @@ class DMD(LightningModule):
     def teacher(self) -> ScoreRole:
         return ScoreRole(self.generator, self.roles.get("teacher"))
 
-    def _negative_cond(self, n: int) -> Conditioning:
-        if self._negative is None or self._negative.hidden_states.device != self.device:
-            self._negative = self.generator.encode_prompts([self.hparams.negative_prompt])
-        return self._negative.select([0] * n)
-
     @torch.no_grad()
     def real_x0(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Teacher x0 prediction with CFG (standard form w) at x_t, sigma [B]."""
         w = self.hparams.teacher_cfg_scale
-        return real_x0(self.teacher, x_t, sigma, cond, w, self._negative_cond(x_t.shape[0]) if w != 1.0 else None)
+        return real_x0(self.teacher, x_t, sigma, cond, w, negative_cond(self, x_t.shape[0]) if w != 1.0 else None)
 
     def fake_x0(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Critic x0 prediction (no CFG) at x_t, sigma [B]."""

@@ -63,7 +63,7 @@ from genrl.methods.common import (
     role_optimizers,
     trainer_of,
 )
-from genrl.methods.distill import ScoreRole, dmd_noised, real_x0
+from genrl.methods.distill import ScoreRole, dmd_noised, negative_cond, real_x0
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
@@ -284,11 +284,6 @@ class TMD(LightningModule):
         return effective_nfe(self.sampler.outer_steps, self.sampler.inner_steps, self.student.head_layers,
                              self.student.num_layers)
 
-    def _negative_cond(self, n: int) -> Conditioning:
-        if self._negative is None or self._negative.hidden_states.device != self.device:
-            self._negative = self.generator.encode_prompts([self.hparams.negative_prompt])
-        return self._negative.select([0] * n)
-
     def _teacher(self) -> ScoreRole:
         return ScoreRole(self.generator, self.roles.get("teacher"))
 
@@ -326,7 +321,7 @@ class TMD(LightningModule):
             with torch.no_grad():
                 teacher = self._teacher()
                 v_c = teacher.velocity(x_t, t, cond).float()
-                v_u = teacher.velocity(x_t, t, self._negative_cond(len(prompts))).float()
+                v_u = teacher.velocity(x_t, t, negative_cond(self, len(prompts))).float()
                 y = y + (cfg_combine(v_c, v_u, h.meanflow_cfg_scale) - v_c)
         inner = transition_grid(self.sampler.inner_steps, self.sampler.inner_shift, self.sampler.t_max)
         s, r = sample_inner_times(seed, idx, 0, inner, shift=h.inner_time_shift, p_equal=h.p_equal,
@@ -372,7 +367,7 @@ class TMD(LightningModule):
         with torch.no_grad():
             x0_fake = ScoreRole(self.generator, self.critic).x0(x_sigma, sigma, cond)
             w = h.teacher_cfg_scale
-            x0_real = real_x0(self._teacher(), x_sigma, sigma, cond, w, self._negative_cond(len(cond)) if w != 1.0
+            x0_real = real_x0(self._teacher(), x_sigma, sigma, cond, w, negative_cond(self, len(cond)) if w != 1.0
                               else None)
         g = vsd_gradient(x0_fake, x0_real)
         return {"loss": vsd_loss(x_hat, g), "g_rms": g.float().pow(2).mean().sqrt()}
