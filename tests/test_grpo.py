@@ -100,6 +100,52 @@ def test_first_update_has_ratio_one_and_no_clipping(tmp_path, monkeypatch, tiny_
     assert float(m["train/approx_kl"]) == 0.0
 
 
+@pytest.mark.parametrize("extra", [[], ["--model.init_args.kl_beta=0.5"],
+                                   ["--model.init_args.kl_beta=0.5", "--model.init_args.kl_kind=gaussian"]])
+def test_reuse_rollout_forward_is_the_same_update(tmp_path, monkeypatch, tiny_text_encoder, extra):
+    """reuse_rollout_forward back-propagates the rollout's own forwards: after 2 iterations (the second's rollout
+    by the once-updated policy) the weights equal those of recomputing the forwards, with the KL terms too (their
+    velocity / mean come from the kept graph), and the logged ratio is exactly 1."""
+    import genrl.methods.grpo as grpo
+
+    enc = f"--model.init_args.generator.text_encoder={tiny_text_encoder}"
+    runs, recomputed = {}, []
+    recompute = grpo.transition_log_prob
+    monkeypatch.setattr(grpo, "transition_log_prob", lambda *a, **kw: recomputed.append(1) or recompute(*a, **kw))
+    for reuse in (False, True):
+        (tmp_path / str(reuse)).mkdir()
+        monkeypatch.chdir(tmp_path / str(reuse))
+        recomputed.clear()
+        cli = _fit([enc, "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+                    f"--model.init_args.reuse_rollout_forward={reuse}", *extra])
+        runs[reuse] = (_trainable(cli), cli.trainer.logged_metrics)
+        assert len(recomputed) == (0 if reuse else 2 * 3)  # 2 iterations x 3 trained steps, or none
+    (plain, m_plain), (reused, m_reused) = runs[False], runs[True]
+    for k in plain:
+        assert torch.allclose(plain[k], reused[k], rtol=1e-5, atol=1e-6), k
+    assert float(m_reused["train/ratio_mean"]) == 1.0
+    assert float(m_reused["train/loss"]) == pytest.approx(float(m_plain["train/loss"]), rel=1e-5, abs=1e-7)
+    if extra:
+        assert float(m_reused["train/kl"]) == pytest.approx(float(m_plain["train/kl"]), rel=1e-4, abs=1e-9)
+
+
+def test_reuse_rollout_forward_refuses_what_it_cannot_reuse(tmp_path, monkeypatch, tiny_text_encoder):
+    """Several optimizer steps per rollout (inner epochs, mini-batches) and a policy with active dropout are
+    refused with errors naming the setting."""
+    from genrl.methods.common import check_no_dropout
+
+    monkeypatch.chdir(tmp_path)
+    enc = f"--model.init_args.generator.text_encoder={tiny_text_encoder}"
+    with pytest.raises(ValueError, match=r"inner_epochs: 1 \(got 2\)"):
+        _fit([enc, "--model.init_args.reuse_rollout_forward=true", "--model.init_args.inner_epochs=2"])
+    with pytest.raises(ValueError, match=r"mini_batch_size: null \(got 4\)"):
+        _fit([enc, "--model.init_args.reuse_rollout_forward=true", "--model.init_args.mini_batch_size=4"])
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Dropout(0.1)))
+    with pytest.raises(ValueError, match=r"dropout p=0.1 at '1.0'"):
+        check_no_dropout(net)
+    check_no_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))
+
+
 def test_lora_trains_only_the_adapter_and_kl_reference(tmp_path, monkeypatch, tiny_text_encoder):
     monkeypatch.chdir(tmp_path)
     cli = _fit([

@@ -156,8 +156,38 @@ def test_rollout_default_id_grad_policies_and_progress(monkeypatch):
     assert torch.equal(full.final.detach(), traj.final)
     (grad_a,) = torch.autograd.grad(full.final.sum(), stub.a)
     assert torch.isfinite(grad_a) and grad_a != 0
-    with pytest.raises(ValueError, match=r"^grad must be 'none' or 'full', got 'partial'$"):
+    with pytest.raises(ValueError, match=r"^grad must be 'none', 'full' or 'sde', got 'partial'$"):
         rollout(_Stub(), STUB_PROMPTS, STUB_SHAPE, seed=seed, config=cfg, grad="partial")
+
+
+def test_rollout_grad_sde_keeps_each_stochastic_steps_graph_and_nothing_else(gen):
+    """grad="sde": the rollout's values are those of grad="none" bit for bit (latents, log-probs, final); live holds
+    exactly the stochastic steps, each log-prob equal to the recorded one and to transition_log_prob's, and its
+    gradient into the weights equals the recomputed one's; the states between steps carry no graph (the gradient of
+    a step does not flow into the steps before it)."""
+    config = RolloutConfig(num_steps=5, kernel="flow_grpo", cfg_scale=2.0, micro_batch_size=4, sde_steps="window",
+                           num_sde_steps=2, window_start=0, window_end=4)
+    plain = rollout(gen, PROMPTS, SHAPE, seed=5, config=config, rollout_id=3)
+    kept = rollout(gen, PROMPTS, SHAPE, seed=5, config=config, rollout_id=3, grad="sde")
+    assert plain.live == {} and sorted(kept.live) == kept.sde_steps == plain.sde_steps and len(kept.sde_steps) == 2
+    for name in ("latents", "log_probs", "noises", "final"):
+        assert torch.equal(getattr(kept, name), getattr(plain, name)), name
+    assert not kept.final.requires_grad and kept.select([0]).live == {}
+    params = [p for p in gen.parameters() if p.requires_grad]
+    for k in kept.sde_steps:
+        lp, v, mean = kept.live[k]
+        assert lp.requires_grad and v.requires_grad and mean.requires_grad
+        assert torch.equal(lp.detach(), plain.log_probs[:, k])
+        ref, ref_v, _ = transition_log_prob(gen, plain, k)
+        assert torch.equal(v.detach(), ref_v.detach())
+        got = torch.autograd.grad(lp.sum(), params, allow_unused=True, retain_graph=True)
+        want = torch.autograd.grad(ref.sum(), params, allow_unused=True)
+        for g, w in zip(got, want, strict=True):
+            assert (g is None) == (w is None) and (g is None or torch.allclose(g, w, rtol=1e-5, atol=1e-7))
+    # the graph of one step stops at the state entering it: no path into the velocity of an earlier step
+    k0, k1 = kept.sde_steps
+    (gv,) = torch.autograd.grad(kept.live[k1][0].sum(), kept.live[k0][1], allow_unused=True)
+    assert gv is None
 
 
 def test_transition_log_prob_refuses_an_unrecorded_trajectory():

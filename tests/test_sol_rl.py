@@ -149,9 +149,9 @@ def test_grpo_takes_the_same_preview(tmp_path, monkeypatch):
     seen = []
     real = grpo_module.collect_flat
 
-    def spy(gen, prompts, latent_shape, seed, index, config, iteration):
+    def spy(gen, prompts, latent_shape, seed, index, config, iteration, **kw):
         seen.append(index.clone())
-        return real(gen, prompts, latent_shape, seed, index, config, iteration)
+        return real(gen, prompts, latent_shape, seed, index, config, iteration, **kw)
 
     monkeypatch.setattr(grpo_module, "collect_flat", spy)
     cli = _cli(["--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--model=genrl.methods.GRPO",

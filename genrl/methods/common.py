@@ -20,9 +20,10 @@ from genrl.rewards import RewardManager
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "build_policy", "build_student", "check_finite",
-           "configure_policy", "configure_policy_optimizer", "default_latent_shape", "frame_shape_of", "gather_batch",
-           "linear_warmup", "local_mini_batch", "log_validation_rewards", "ode_validation_config", "policy_optimizer",
-           "backward_step", "policy_spec", "rank_slice", "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
+           "check_no_dropout", "configure_policy", "configure_policy_optimizer", "default_latent_shape",
+           "frame_shape_of", "gather_batch", "linear_warmup", "local_mini_batch", "log_validation_rewards",
+           "ode_validation_config", "policy_optimizer", "backward_step", "policy_spec", "rank_slice",
+           "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -244,6 +245,16 @@ def check_finite(loss: torch.Tensor, role: str, iteration: int, hint: str = "") 
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite {role} loss {loss.item()} at iteration {iteration}; lower the {role} "
                                  f"learning rate{hint}")
+
+
+def check_no_dropout(module: nn.Module) -> None:
+    """Raise ValueError naming the first dropout layer with p > 0 in ``module``: an update that reuses forwards run
+    in eval mode (``reuse_rollout_forward``) would otherwise differ from the train-mode recomputation."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            raise ValueError(f"reuse_rollout_forward: the policy has dropout p={m.p} at {name!r}; the rollout runs "
+                             "in eval mode, so its forwards are not the training forwards. Set the dropout to 0 or "
+                             "reuse_rollout_forward: false")
 
 
 def default_latent_shape(generator, latent_shape=None) -> tuple[int, ...]:

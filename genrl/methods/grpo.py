@@ -27,6 +27,7 @@ from genrl.flow.sde import step_mean_std
 from genrl.methods.common import (
     Scorer,
     advance_iteration,
+    check_no_dropout,
     configure_policy,
     configure_policy_optimizer,
     local_mini_batch,
@@ -79,6 +80,13 @@ class GRPO(LightningModule):
         preview: Sol-RL's two-stage collect (:class:`~genrl.methods.preview.PreviewConfig`): the ``group_size`` N
             candidates per prompt previewed by a low-precision copy of the policy, K kept by preview reward and
             regenerated (same noise addresses) in full precision for the update (docs/methods/sol_rl.md).
+        reuse_rollout_forward: the update back-propagates the velocities the rollout computed at its stochastic
+            steps (kept with their graphs, ``rollout(grad="sde")``) instead of running those forwards again. The
+            first update after a rollout is on-policy, so this is the same gradient (importance ratio exactly 1)
+            for one network forward less per trained step and sample (the quickstart: 3 of 13 forward-equivalents
+            per iteration); the rollout then holds the activations of every trained step of the whole batch until
+            the update. Needs ``inner_epochs: 1``, ``mini_batch_size: null`` (one optimizer step per rollout), no
+            ``preview`` and a policy without active dropout (the rollout runs in eval mode).
         seed: seed of all randomness.
     """
 
@@ -103,6 +111,7 @@ class GRPO(LightningModule):
         mini_batch_size: int | None = None,
         eval_rollout: RolloutConfig | None = None,
         preview: PreviewConfig | None = None,
+        reuse_rollout_forward: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -113,6 +122,12 @@ class GRPO(LightningModule):
         if clip_range <= 0 or adv_clip_max <= 0 or kl_beta < 0:
             raise ValueError(
                 f"need clip_range > 0, adv_clip_max > 0, kl_beta >= 0; got {clip_range}, {adv_clip_max}, {kl_beta}"
+            )
+        if reuse_rollout_forward and (inner_epochs != 1 or mini_batch_size is not None or preview is not None):
+            raise ValueError(
+                "reuse_rollout_forward needs one on-policy optimizer step per rollout: inner_epochs: 1 (got "
+                f"{inner_epochs}), mini_batch_size: null (got {mini_batch_size}) and no preview (got "
+                f"{'a preview' if preview is not None else 'none'}); set reuse_rollout_forward: false for these"
             )
         self.save_hyperparameters(ignore=["optimizer"])
         self.generator_spec = policy_spec(self, generator)
@@ -142,9 +157,14 @@ class GRPO(LightningModule):
 
     def step_loss(self, sub, k: int, cond, uncond, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Clipped surrogate (PPO eq. 7) on step ``k`` of the trajectories ``sub`` with advantages ``adv`` [b], plus
-        ``kl_beta`` x the KL to the reference (velocity MSE, or the closed-form Gaussian KL of the step)."""
+        ``kl_beta`` x the KL to the reference (velocity MSE, or the closed-form Gaussian KL of the step). The
+        step's log-prob is recomputed under the current weights, or taken from ``sub.live`` when the rollout kept
+        it (``reuse_rollout_forward``)."""
         h, cfg = self.hparams, self.rollout_config
-        log_prob, v, mean = transition_log_prob(self.generator, sub, k, cond, uncond)
+        if k in sub.live:
+            log_prob, v, mean = sub.live.pop(k)  # popped: its graph is freed by this step's backward
+        else:
+            log_prob, v, mean = transition_log_prob(self.generator, sub, k, cond, uncond)
         loss_vec, stats = clipped_policy_loss(log_prob, sub.log_probs[:, k].to(log_prob.device),
                                               adv.to(log_prob.device),
                                               clip_range=h.clip_range, clip_range_high=h.clip_range_high,
@@ -171,7 +191,10 @@ class GRPO(LightningModule):
         if self.preview is not None:  # Sol-RL: preview the pool in low precision, regenerate the kept rows
             prompts, index, group, selection = select_batch(self, prompts, index, group, cfg, it)
         n = len(prompts)
-        ro = collect_flat(gen, prompts, self.latent_shape, h.seed, index, cfg, it)
+        reuse = h.get("reuse_rollout_forward", False)
+        if reuse:
+            check_no_dropout(gen)
+        ro = collect_flat(gen, prompts, self.latent_shape, h.seed, index, cfg, it, keep_graph=reuse)
         scores = score(self, self.scorer, ro, group, iteration=it)
         log_proxy_fidelity(self, selection, scores.result.total, scores.result.valid)
         adv = group_advantages_of(self, scores, std=h.advantage_std, eps=h.advantage_eps,
@@ -181,8 +204,12 @@ class GRPO(LightningModule):
             raise ValueError("the rollout has no stochastic step to train; check rollout.kernel / sde_steps")
         mb = local_mini_batch(self, h.mini_batch_size, n)
 
+        if reuse and mb < n:
+            raise ValueError(f"reuse_rollout_forward needs the whole local batch in one optimizer step; this rank "
+                             f"has {n} samples and a mini-batch of {mb}")
+
         def units(rows: torch.Tensor):  # one optimizer step: every trained step of the mini-batch
-            sub = traj.select(rows)
+            sub = traj if reuse else traj.select(rows)
             cond, uncond = encode_cfg(gen, sub.prompts, cfg)
 
             def unit(k: int):

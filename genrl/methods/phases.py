@@ -59,12 +59,14 @@ def _eval_mode(generator):
 
 
 def collect_flat(generator, prompts: list[str], latent_shape, seed: int, index: torch.Tensor, config: RolloutConfig,
-                 iteration: int) -> Rollouts:
+                 iteration: int, keep_graph: bool = False) -> Rollouts:
     """Flat rollouts (Flow-GRPO / DanceGRPO): one trajectory per prompt with the stochastic kernel of ``config``,
     per-step latents and log-probs recorded; decoded for scoring. Noise addressed by (seed, sample index, step) and
-    the SDE window by (seed, iteration)."""
+    the SDE window by (seed, iteration). ``keep_graph``: the stochastic steps' forwards keep their autograd graphs
+    (``rollout(grad="sde")``, ``Trajectory.live``) for an on-policy update that reuses them."""
     was = _eval_mode(generator)
-    traj = rollout(generator, prompts, latent_shape, seed, index, config, rollout_id=iteration)
+    traj = rollout(generator, prompts, latent_shape, seed, index, config, rollout_id=iteration,
+                   grad="sde" if keep_graph else "none")
     pixels = generator.decode(traj.final)
     generator.train(was)
     return Rollouts(list(prompts), pixels, traj)

@@ -15,6 +15,7 @@ work instead (docs/architecture.md, Batching: bitwise or fast).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -163,6 +164,9 @@ class Trajectory:
         final: [B, *latent] final latents (on the generator's device).
         seed, indices, prompts: the addresses that regenerate each sample.
         config: the :class:`RolloutConfig` used.
+        live: with ``rollout(grad="sde")``, ``{step: (log_prob [B], velocity, mean)}`` of every stochastic step,
+            computed in the rollout with their autograd graphs kept (what :func:`transition_log_prob` would
+            recompute with unchanged weights); empty otherwise, and dropped by :meth:`select`.
     """
 
     latents: torch.Tensor
@@ -178,6 +182,7 @@ class Trajectory:
     means: torch.Tensor | None = None
     stds: torch.Tensor | None = None
     extras: dict = field(default_factory=dict)
+    live: dict = field(default_factory=dict)
 
     @property
     def sde_steps(self) -> list[int]:
@@ -275,7 +280,7 @@ def rollout(
     rollout_id: int = 0,
     record: bool = True,
     record_moments: bool = False,
-    grad: Literal["none", "full"] = "none",
+    grad: Literal["none", "full", "sde"] = "none",
     progress: bool = False,
 ) -> Trajectory:
     """Sample a batch of trajectories.
@@ -289,7 +294,12 @@ def rollout(
         rollout_id: id of this rollout (e.g. the iteration), which draws the SDE window.
         record: keep latents / noises / log-probs per step (False: only ``final`` and ``log_probs``).
         record_moments: also keep the SDE means and stds.
-        grad: ``"none"`` (RL rollouts) or ``"full"`` (backpropagate through every step; small models only).
+        grad: ``"none"`` (RL rollouts), ``"full"`` (backpropagate through every step; small models only) or
+            ``"sde"``: gradients only through each stochastic step's own velocity, the state entering the step
+            detached; the step's log-prob of its (detached) sample, velocity and mean are kept with their graphs in
+            ``Trajectory.live``, so an on-policy update can back-propagate them instead of recomputing the forward
+            (:class:`~genrl.methods.GRPO` ``reuse_rollout_forward``). Memory: the activations of every stochastic
+            step of the whole batch are held until the update.
         progress: show a progress bar over steps.
     Returns:
         :class:`Trajectory`.
@@ -297,8 +307,8 @@ def rollout(
         ValueError: len(indices) != len(prompts), or an unknown grad policy.
     """
     config = config or RolloutConfig()
-    if grad not in ("none", "full"):
-        raise ValueError(f"grad must be 'none' or 'full', got {grad!r}")
+    if grad not in ("none", "full", "sde"):
+        raise ValueError(f"grad must be 'none', 'full' or 'sde', got {grad!r}")
     n = len(prompts)
     indices = torch.arange(n) if indices is None else torch.as_tensor(list(map(int, indices)), dtype=torch.long)
     if len(indices) != n:
@@ -318,10 +328,12 @@ def rollout(
             from rich.progress import track
 
             steps = track(steps, description="rollout")
+        live = {}
         for k in steps:
             s = sig32[k].expand(n)
-            v = guided_velocity(generator, x, s, cond, uncond, config.cfg_scale, config.micro_batch_size,
-                                config.batching)
+            with torch.enable_grad() if grad == "sde" and mask[k] else contextlib.nullcontext():
+                v = guided_velocity(generator, x, s, cond, uncond, config.cfg_scale, config.micro_batch_size,
+                                    config.batching)
             if mask[k]:
                 noise = randn_per_sample(latent_shape, seed, indices, step=k + 1, device=device,
                                          backend=config.noise_backend)
@@ -331,7 +343,12 @@ def rollout(
                 kind = "ode"
             out = sde_step(kind, x, v, sig32[k], sig32[k + 1], noise, noise_level=config.noise_level,
                            sigma_at_one=sigma_at_one)
-            x = out.sample
+            if grad == "sde" and mask[k]:  # the loss side of the step, on the detached sample (as recomputed)
+                with torch.enable_grad():
+                    lp, mean, _ = step_log_prob(kind, x, v, sig32[k], sig32[k + 1], out.sample.detach(),
+                                                noise_level=config.noise_level, sigma_at_one=sigma_at_one)
+                live[k] = (lp, v, mean)
+            x = out.sample if grad != "sde" else out.sample.detach()  # (sde_step ran without grad: no graph)
             log_probs.append(out.log_prob.detach().float().cpu())
             if record:
                 latents.append(x.detach().cpu())
@@ -352,6 +369,7 @@ def rollout(
         config=config,
         means=torch.stack([m for m, _ in means], dim=1) if record_moments else None,
         stds=torch.tensor([s for _, s in means]) if record_moments else None,
+        live=live,
     )
 
 
