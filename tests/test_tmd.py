@@ -330,20 +330,3 @@ def test_stage1_target_subtracts_the_derivative_along_the_conditional_path(tiny_
         ref = u_of(0.0) - target
     assert ((sv - rv) * dudt).abs().mean() > 0.1  # the derivative term matters here
     assert torch.allclose(out["u_minus_target"], ref, atol=1e-3, rtol=1e-4), (out["u_minus_target"] - ref).abs().max()
-
-
-def test_fsdp_strategies_are_refused_with_the_reason(tiny_policy, tiny_text_encoder, monkeypatch):
-    """The split calls the transformer's submodules, so a root FSDP unit's hooks would never run: configure_model
-    fails before building anything, naming the strategy and DDP as the way out."""
-    from types import SimpleNamespace
-
-    import genrl.methods.tmd as tmd_mod
-
-    class FSDP2Strategy:  # stands for genrl.strategies.FSDP2Strategy (only its name is read)
-        pass
-
-    monkeypatch.setattr(tmd_mod, "trainer_of", lambda module: SimpleNamespace(strategy=FSDP2Strategy()))
-    model = TMD(generator={"family": "dit", "pretrained": tiny_policy, "text_encoder": tiny_text_encoder})
-    with pytest.raises(ValueError, match="FSDP2Strategy yet: .* use DDP"):
-        model.configure_model()
-    assert model.generator is None

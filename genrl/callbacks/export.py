@@ -74,8 +74,9 @@ class DiffusersExport(Callback):
     single-process run's. Under DDP rank 0 writes its (identical) copy.
 
     When the trainer has an :class:`~genrl.callbacks.EMA` callback, the EMA weights are exported (the
-    module's raw weights are left as they are). A method with an ``export_extra(dirpath)`` method writes its own
-    further files there with the same (EMA) weights swapped in, on rank 0 (TMD: its flow head).
+    module's raw weights are left as they are). A method with an ``export_extra(dirpath, write)`` method writes its own
+    further files there with the same (EMA) weights swapped in (TMD: its flow head): every rank that takes part in
+    the export calls it (all of them under FSDP2, so it may gather), with ``write`` True on rank 0 only.
     The folder (``config.json`` + ``diffusion_pytorch_model.safetensors``) reloads offline with
     ``VideoDiT.from_pretrained(dirpath)`` or a ``ModelSpec(pretrained=dirpath)``; ``genrl_export.json`` records
     whether the weights are the EMA's, the step, and the validation sampler (:func:`sampling_of`), which
@@ -102,9 +103,10 @@ class DiffusersExport(Callback):
             if trainer.is_global_zero:
                 with _state_dict_of(transformer, full):
                     transformer.save_pretrained(self.dirpath, safe_serialization=self.safe_serialization)
-                extra = getattr(pl_module, "export_extra", None)
-                if callable(extra):  # a method's own parts beside the transformer (TMD's flow head), same weights
-                    extra(self.dirpath)
+            extra = getattr(pl_module, "export_extra", None)
+            if callable(extra):  # a method's own parts beside the transformer (TMD's flow head), same weights; every
+                # rank here calls it (under FSDP2 its gather is a collective), rank 0 writes
+                extra(self.dirpath, write=trainer.is_global_zero)
         if not trainer.is_global_zero:
             return
         info = {"ema": ema is not None, "global_step": int(trainer.global_step), "sampling": sampling_of(pl_module)}

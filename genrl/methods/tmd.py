@@ -67,6 +67,7 @@ from genrl.methods.distill import ScoreRole, dmd_noised, negative_cond, real_x0
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
+from genrl.models.sharding import full_state_dict
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning
 from genrl.models.trunk import (  # re-exported: the export layout of a TMD run
@@ -227,11 +228,6 @@ class TMD(LightningModule):
         """Build the student (transformer + flow head), and the teacher / critic the stage needs (once)."""
         if self.generator is not None:
             return
-        strategy = getattr(trainer_of(self), "strategy", None)
-        if "FSDP" in type(strategy).__name__:
-            raise ValueError(f"TMD does not run under {type(strategy).__name__} yet: the backbone / head split calls "
-                             f"the transformer's submodules directly, so the root FSDP unit's hooks (its embeddings "
-                             f"and output layers) never run; use DDP (configs/trainer/ddp.yaml) or one device")
         h = self.hparams
         if h.head_init is not None and not (Path(h.head_init) / HEAD_WEIGHTS_FILE).is_file():
             state = "does not exist" if not Path(h.head_init).exists() else f"holds no {HEAD_WEIGHTS_FILE}"
@@ -432,10 +428,14 @@ class TMD(LightningModule):
         self.log("val/effective_nfe", self.effective_nfe, batch_size=len(prompts))
         return log_validation_rewards(self, self.scorer, videos, prompts)
 
-    def export_extra(self, dirpath: str) -> None:
+    def export_extra(self, dirpath: str, write: bool = True) -> None:
         """Write the flow head (``flow_head.safetensors``) and its config with the sampler (``flow_head.json``) into
-        an export folder (called by :class:`~genrl.callbacks.DiffusersExport`)."""
-        save_head(self.flow_head, dirpath, {
+        an export folder (called by :class:`~genrl.callbacks.DiffusersExport` on every rank that exports; under FSDP2
+        the head's full weights are gathered first, a collective, and only ``write`` ranks write)."""
+        state = full_state_dict(self.flow_head)
+        if not write:
+            return
+        save_head(state, dirpath, {
             "head_layers": self.hparams.head_layers, "head_time": self.hparams.head_time,
             "gate_init": self.hparams.gate_init, "parameterization": self.hparams.parameterization,
             "outer_steps": self.sampler.outer_steps,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,6 @@ class TrunkAdapter(abc.ABC):
         """Width of the vector ``delta`` that :meth:`time_cond` adds to the time embedding."""
 
     # ------------------------------------------------------------------ stages
-    @abc.abstractmethod
     def embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> TrunkState:
         """Patch, time and text embeddings of ``x`` at ``sigma`` (the state before block 0).
 
@@ -133,6 +133,10 @@ class TrunkAdapter(abc.ABC):
         Raises:
             ValueError: the same input checks as ``generator.velocity`` (shapes, batch sizes, missing pooled text).
         """
+        return self._in_root(self._embed, x, sigma, cond)
+
+    @abc.abstractmethod
+    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> TrunkState: ...
 
     def run_blocks(self, state: TrunkState, i: int, j: int) -> TrunkState:
         """Blocks ``i .. j-1`` (``blocks[i:j]``) applied to ``state`` (gradient-checkpointed when the transformer's
@@ -151,12 +155,14 @@ class TrunkAdapter(abc.ABC):
     @abc.abstractmethod
     def _run_blocks(self, state: TrunkState, i: int, j: int) -> TrunkState: ...
 
-    @abc.abstractmethod
     def finalize(self, state: TrunkState) -> torch.Tensor:
         """Output layers of the state after block L-1: the velocity in the native layout and dtype that
         ``generator.velocity`` returns."""
+        return self._in_root(self._finalize, state)
 
     @abc.abstractmethod
+    def _finalize(self, state: TrunkState) -> torch.Tensor: ...
+
     def time_cond(self, state: TrunkState, sigma: torch.Tensor, delta: torch.Tensor | None = None) -> TrunkState:
         """A new state with only the time branch recomputed at ``sigma`` (token stream and text untouched).
 
@@ -168,14 +174,37 @@ class TrunkAdapter(abc.ABC):
         Raises:
             ValueError: sigma or delta of the wrong shape.
         """
+        return self._in_root(self._time_cond, state, sigma, delta)
 
     @abc.abstractmethod
+    def _time_cond(self, state: TrunkState, sigma: torch.Tensor, delta: torch.Tensor | None = None) -> TrunkState: ...
+
     def patch_embed(self, y: torch.Tensor) -> torch.Tensor:
         """The model's own patch embedding of a latent-shaped tensor ``y`` (native layout, the shape of the ``x``
         given to :meth:`embed`): tokens with the shape of ``state.h`` in the model's compute dtype. Whether
         positional terms are included is family-specific (see the subclass)."""
+        return self._in_root(self._patch_embed, y)
+
+    @abc.abstractmethod
+    def _patch_embed(self, y: torch.Tensor) -> torch.Tensor: ...
 
     # ------------------------------------------------------------------ shared helpers
+    def _in_root(self, fn, *args):
+        """``fn(*args)`` run as the transformer's forward when the transformer is an FSDP2 unit: the stages outside
+        the blocks use the root unit's parameters (embeddings, output layers), which FSDP2 gathers only in the hooks
+        around the root's own call (and reduce-scatters their gradients from there). Calling the module with its
+        forward temporarily replaced runs those hooks around ``fn``; a plain module just calls ``fn``."""
+        from torch.distributed.fsdp import FSDPModule
+
+        tr = self.transformer
+        if not isinstance(tr, FSDPModule) or "forward" in vars(tr):  # plain, or already inside the root's call
+            return fn(*args)
+        tr.forward = fn  # an instance attribute shadows the class's forward for this one call
+        try:
+            return tr(*args)
+        finally:
+            del tr.forward
+
     def _checkpointed(self, block: nn.Module, *args):
         tr = self.transformer
         if torch.is_grad_enabled() and getattr(tr, "gradient_checkpointing", False):
@@ -261,7 +290,7 @@ class DiTTrunk(TrunkAdapter):
             c_emb = c_emb + delta.to(c_emb.dtype)[:, None]
         return c_emb[:, :, None]  # [B, F, 1, D]
 
-    def embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> TrunkState:
+    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> TrunkState:
         if len(cond) != x.shape[0]:
             raise ValueError(f"conditioning holds {len(cond)} prompts for a batch of {x.shape[0]} latents")
         tr = self.transformer
@@ -289,7 +318,7 @@ class DiTTrunk(TrunkAdapter):
             h = self._checkpointed(blocks[layer], h, state.temb, e["text"], e["text_mask"], e["ctx"], layer)
         return state.replace(h=h)
 
-    def finalize(self, state: TrunkState) -> torch.Tensor:
+    def _finalize(self, state: TrunkState) -> torch.Tensor:
         tr = self.transformer
         _, _, gh, gw = state.extra["grid"]
         pt, ph, pw = tr.config.patch_size
@@ -298,7 +327,7 @@ class DiTTrunk(TrunkAdapter):
         out = rearrange(x, "b f (gh gw) (c pt ph pw) -> b (f pt) c (gh ph) (gw pw)", gh=gh, gw=gw, pt=pt, ph=ph, pw=pw)
         return out.to(state.extra["out_dtype"])
 
-    def time_cond(self, state: TrunkState, sigma: torch.Tensor, delta: torch.Tensor | None = None) -> TrunkState:
+    def _time_cond(self, state: TrunkState, sigma: torch.Tensor, delta: torch.Tensor | None = None) -> TrunkState:
         """Recompute ``c_emb`` at ``sigma`` ([B] or per frame [B, T]): time embedding + pooled text (+ ``delta``
         [B, D], broadcast over frame groups), before every block's ``ada_ln`` and the output ``ada_ln_out``."""
         t, f, _, _ = state.extra["grid"]
@@ -306,7 +335,7 @@ class DiTTrunk(TrunkAdapter):
         delta = self._delta(delta, pooled.shape[0], self.time_dim)
         return state.replace(temb=self._c_emb(sigma, pooled.shape[0], t, f, pooled, delta))
 
-    def patch_embed(self, y: torch.Tensor) -> torch.Tensor:
+    def _patch_embed(self, y: torch.Tensor) -> torch.Tensor:
         """``patch_embed`` of ``y`` [B, T, C, H, W] plus the additive 3-D position table: [B, F, S, D]."""
         return self._tokens(y)[0]
 
@@ -382,7 +411,7 @@ class WanTrunk(TrunkAdapter):
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
         return self.transformer.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()
 
-    def embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> TrunkState:
+    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> TrunkState:
         gen, tr = self.generator, self.transformer
         gen._check_x(x, sigma, cond)
         timestep = self._timestep(sigma, x.device)
@@ -405,7 +434,7 @@ class WanTrunk(TrunkAdapter):
             h = self._checkpointed(blocks[layer], h, e["text"], e["timestep_proj"], e["rotary"])
         return state.replace(h=h)
 
-    def finalize(self, state: TrunkState) -> torch.Tensor:
+    def _finalize(self, state: TrunkState) -> torch.Tensor:
         tr = self.transformer
         temb, h = state.temb, state.h
         if temb.ndim == 3:
@@ -421,7 +450,7 @@ class WanTrunk(TrunkAdapter):
         h = h.reshape(h.shape[0], f, gh, gw, p_t, p_h, p_w, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return h.flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
-    def time_cond(self, state: TrunkState, sigma: torch.Tensor, delta: torch.Tensor | None = None) -> TrunkState:
+    def _time_cond(self, state: TrunkState, sigma: torch.Tensor, delta: torch.Tensor | None = None) -> TrunkState:
         """Recompute ``temb`` and ``timestep_proj`` at ``sigma`` ([B] or [B, F]); ``delta`` [B, D] is added to
         ``temb`` before ``time_proj`` (seen by every block's modulation and by ``norm_out``)."""
         b = state.h.shape[0]
@@ -434,7 +463,7 @@ class WanTrunk(TrunkAdapter):
         temb, proj = self._time(self._timestep(sigma, state.h.device), state.extra["text_dtype"], delta)
         return state.replace(temb=temb, extra={"timestep_proj": proj})
 
-    def patch_embed(self, y: torch.Tensor) -> torch.Tensor:
+    def _patch_embed(self, y: torch.Tensor) -> torch.Tensor:
         """``patch_embedding`` of ``y`` [B, C, F, h, w] flattened to tokens [B, N, D] (no positional term: Wan's
         positions are rotary, in ``extra["rotary"]``)."""
         return self._tokens(y.to(self.generator.dtype))
@@ -486,7 +515,7 @@ class SD3Trunk(TrunkAdapter):
             raise ValueError(f"sd3: sigma of shape {tuple(sigma.shape)}; expected [B] = [{b}] or [B, 1]")
         return sigma
 
-    def embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> TrunkState:
+    def _embed(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> TrunkState:
         gen, tr = self.generator, self.transformer
         sigma = gen._image_inputs(x, sigma, cond, pooled=True)
         timestep = sigma.to(x.device, torch.float32) * 1000.0
@@ -505,7 +534,7 @@ class SD3Trunk(TrunkAdapter):
             text, h = self._checkpointed(blocks[layer], h, text, state.temb, None)
         return state.replace(h=h, extra={"text": text})
 
-    def finalize(self, state: TrunkState) -> torch.Tensor:
+    def _finalize(self, state: TrunkState) -> torch.Tensor:
         tr = self.transformer
         h = tr.proj_out(tr.norm_out(state.h, state.temb))
         p = tr.config.patch_size
@@ -514,7 +543,7 @@ class SD3Trunk(TrunkAdapter):
         h = torch.einsum("nhwpqc->nchpwq", h)
         return h.reshape(h.shape[0], tr.out_channels, height * p, width * p)
 
-    def time_cond(self, state: TrunkState, sigma: torch.Tensor, delta: torch.Tensor | None = None) -> TrunkState:
+    def _time_cond(self, state: TrunkState, sigma: torch.Tensor, delta: torch.Tensor | None = None) -> TrunkState:
         """Recompute ``temb = time_text_embed(1000 sigma, pooled)`` at ``sigma`` [B] (or [B, 1]), plus ``delta``
         [B, D]."""
         pooled = state.extra["pooled"]
@@ -526,7 +555,7 @@ class SD3Trunk(TrunkAdapter):
             temb = temb + delta.to(temb.dtype)
         return state.replace(temb=temb)
 
-    def patch_embed(self, y: torch.Tensor) -> torch.Tensor:
+    def _patch_embed(self, y: torch.Tensor) -> torch.Tensor:
         """``pos_embed(y)`` of ``y`` [B, C, h, w]: tokens [B, N, D] *with* SD3's additive position table."""
         return self.transformer.pos_embed(y.to(self.generator.dtype)).contiguous()
 
@@ -775,14 +804,17 @@ class TransitionModel(nn.Module):
 HEAD_WEIGHTS_FILE = "flow_head.safetensors"
 HEAD_CONFIG_FILE = "flow_head.json"
 
-def save_head(head: torch.nn.Module, dirpath: str | Path, config: dict) -> Path:
-    """Save a flow head's weights (safetensors) and ``config`` (JSON) into ``dirpath``; returns the weights' path."""
+def save_head(head: torch.nn.Module | Mapping[str, torch.Tensor], dirpath: str | Path, config: dict) -> Path:
+    """Save a flow head's weights (safetensors) and ``config`` (JSON) into ``dirpath``; returns the weights' path.
+    ``head``: the module, or its full state dict (e.g. gathered from FSDP2 shards with
+    :func:`genrl.models.sharding.full_state_dict`)."""
     from safetensors.torch import save_file
 
     folder = Path(dirpath)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / HEAD_WEIGHTS_FILE
-    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(path))
+    state = head.state_dict() if isinstance(head, torch.nn.Module) else head
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path))
     (folder / HEAD_CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return path
 
