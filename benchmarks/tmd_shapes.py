@@ -31,23 +31,30 @@ sys.path.insert(0, str(ROOT))
 GRID = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)]
 
 
-def train(seed: int, root: Path, steps1: int, steps2: int, overrides: tuple[str, ...] = ()) -> dict:
-    """Stage 1 then stage 2 for one seed (``overrides``: further ``--key=value`` arguments of both runs); returns their
-    exports and wall seconds."""
+def train(seed: int, root: Path, steps1: int, steps2: int, overrides: tuple[str, ...] = (),
+          stage2_overrides: tuple[str, ...] = (), stage1_root: Path | None = None) -> dict:
+    """Stage 1 then stage 2 for one seed (``overrides``: further ``--key=value`` arguments of both runs,
+    ``stage2_overrides`` of stage 2 only; ``stage1_root``: take stage 1's export from that earlier ``--root``
+    instead of training it); returns their exports and wall seconds."""
     from fit_runs import fit_in
 
     common = [f"--seed_everything={seed}", f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}",
               "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
               "--data.init_args.num_workers=0", *overrides]
-    s1, w1 = fit_in(root / f"s{seed}" / "meanflow", [
-        "fit", "--config", str(ROOT / "configs/tmd/shapes_meanflow.yaml"),
-        f"--model.init_args.generator.pretrained={ROOT / 'assets/shapes-dit'}", f"--trainer.max_steps={steps1}",
-        *common])
+    if stage1_root is not None:
+        s1, w1 = (stage1_root / f"s{seed}" / "meanflow/runs/tmd_shapes_meanflow/export").resolve(), 0.0
+        if not s1.is_dir():
+            raise FileNotFoundError(f"--stage1-root {stage1_root}: no stage-1 export at {s1}")
+    else:
+        s1, w1 = fit_in(root / f"s{seed}" / "meanflow", [
+            "fit", "--config", str(ROOT / "configs/tmd/shapes_meanflow.yaml"),
+            f"--model.init_args.generator.pretrained={ROOT / 'assets/shapes-dit'}", f"--trainer.max_steps={steps1}",
+            *common])
     s2, w2 = fit_in(root / f"s{seed}" / "dmd", [
         "fit", "--config", str(ROOT / "configs/tmd/shapes_dmd.yaml"), f"--model.init_args.generator.pretrained={s1}",
         f"--model.init_args.head_init={s1}", f"--model.init_args.teacher.pretrained={ROOT / 'assets/shapes-dit'}",
-        f"--trainer.max_steps={steps2}", *common])
-    return {"meanflow": s1, "meanflow_seconds": w1, "dmd": s2, "dmd_seconds": w2}
+        f"--trainer.max_steps={steps2}", *common, *stage2_overrides])
+    return {"meanflow": str(s1), "meanflow_seconds": w1, "dmd": s2, "dmd_seconds": w2}
 
 
 @torch.no_grad()
@@ -72,6 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--root", default="runs/tmd_shapes_bench")
     p.add_argument("--override", action="append", default=[],
                    help="a further genrl fit argument for both stages, e.g. --override=--model.init_args.gate_init=0")
+    p.add_argument("--stage2-override", action="append", default=[],
+                   help="a further genrl fit argument for stage 2 only, e.g. "
+                        "--stage2-override=--model.init_args.gan_weight=0.03")
+    p.add_argument("--stage1-root", default=None, help="reuse the stage-1 exports of an earlier --root (per seed)")
     p.add_argument("--no-train", action="store_true", help="evaluate --models only")
     p.add_argument("--models", nargs="*", default=[], help="name=export folder of a TMD run (evaluated per seed "
                                                            "listed in the name's suffix _s<seed>, else seed 0)")
@@ -101,11 +112,13 @@ def main(argv: list[str] | None = None) -> dict:
     exports: dict[str, dict[int, str]] = {}
     if not args.no_train:
         for seed in args.seeds:
-            run = train(seed, Path(args.root), args.stage1_steps, args.stage2_steps, tuple(args.override))
+            run = train(seed, Path(args.root), args.stage1_steps, args.stage2_steps, tuple(args.override),
+                        tuple(args.stage2_override), Path(args.stage1_root) if args.stage1_root else None)
             result["runs"][str(seed)] = run
             print(f"seed {seed}: stage 1 {run['meanflow_seconds']:.0f} s, stage 2 {run['dmd_seconds']:.0f} s",
                   flush=True)
-            exports.setdefault("meanflow", {})[seed] = run["meanflow"]
+            if not args.stage1_root:  # a reused stage 1 was evaluated with its own run
+                exports.setdefault("meanflow", {})[seed] = run["meanflow"]
             exports.setdefault("dmd", {})[seed] = run["dmd"]
     for spec in args.models:
         name, path = spec.split("=", 1)

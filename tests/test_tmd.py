@@ -245,7 +245,8 @@ def test_shapes_configs_train_both_stages_export_the_head_and_resume_exactly(tmp
 def test_wan_configs_train_two_steps_of_each_stage_on_tiny_components(tmp_path, monkeypatch):
     """configs/tmd/wan2.1_t2v_1.3b_{meanflow,dmd}.yaml with tiny random Wan components (H = 1 of the tiny model's
     blocks) and a folder of captioned mp4s: 2 steps of each stage through the real CLI, the stage-1 CFG teacher and
-    the stage-2 teacher / critic as tiny random transformers; then one transition-sampler rollout of the student."""
+    the stage-2 teacher / critic as tiny random transformers and the GAN heads on the teacher's features; then one
+    transition-sampler rollout of the student."""
     from genrl.data.video_io import write_video
     from genrl.rollout.transition import transition_rollout
     from genrl.testing.families import TINY, TINY_SIZE, tiny_generator_spec
@@ -279,7 +280,8 @@ def test_wan_configs_train_two_steps_of_each_stage_on_tiny_components(tmp_path, 
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         assert cli.trainer.global_step == 2
         changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if not torch.equal(before[n], p.detach())}
-        assert changed == ({"generator", "flow_head"} if stage == "meanflow" else {"generator", "flow_head", "critic"})
+        assert changed == ({"generator", "flow_head"} if stage == "meanflow"
+                           else {"generator", "flow_head", "critic", "gan_heads"})  # the config's GAN term is on
     gen = cli.model.generator
     out = transition_rollout(cli.model.student, gen.encode_prompts(["a red circle", "a blue square"]),
                              gen.latent_shape, 0, torch.arange(2), cli.model.sampler)

@@ -313,3 +313,33 @@ def test_closed_gate_outer_student_samples_like_the_teachers_euler(generators):
             x = x - (grid[i] - grid[i + 1]) * gen.velocity(x, torch.full((2,), float(grid[i])), cond)
     _close(res.latents, x)
     assert res.head_calls == 6 and res.backbone_calls == 2
+
+
+# ---------------------------------------------------------------------------------------------- GAN feature taps
+@pytest.mark.parametrize("name", ["dit", "wan", "sd3"])
+def test_feature_grid_puts_each_token_at_its_patch_and_features_at_taps_the_blocks(generators, name):
+    """feature_grid unpatchifies the token stream: the token of frame patch f, row i, column j lands at [:, :, f, i, j]
+    (Wan: exactly the model's own patch-embedding convolution output); features_at(layers) equals the grids of the
+    states after k blocks, in the order asked, embedding once; layers outside 1 .. L are refused."""
+    gen = generators[name]
+    adapter = trunk_adapter(gen)
+    x, sigma, cond = _inputs(name, gen)
+    with torch.no_grad():
+        state = adapter.embed(x, sigma, cond)
+        grid = adapter.feature_grid(state)
+        b, d, f, gh, gw = grid.shape
+        assert b == 2 and d == adapter.hidden_size
+        for fi, i, j in [(0, 0, 0), (f - 1, gh - 1, gw - 1), (f // 2, gh - 1, 0), (0, 0, gw - 1)]:
+            token = state.h[:, fi, i * gw + j] if name == "dit" else state.h[:, (fi * gh + i) * gw + j]
+            assert torch.equal(grid[:, :, fi, i, j], token)
+        if name == "wan":
+            assert torch.equal(grid, gen.transformer.patch_embedding(x))
+        if name == "sd3":
+            assert f == 1
+        taps = adapter.features_at(x, sigma, cond, [LAYERS, 1, 3])
+        for k, got in zip([LAYERS, 1, 3], taps, strict=True):
+            _close(got, adapter.feature_grid(adapter.run_blocks(adapter.embed(x, sigma, cond), 0, k)))
+    with pytest.raises(ValueError, match=r"block counts in 1 \.\. L = 4, got \[0, 2\]"):
+        adapter.features_at(x, sigma, cond, [0, 2])
+    with pytest.raises(ValueError, match=r"got \[5\]"):
+        adapter.features_at(x, sigma, cond, [LAYERS + 1])

@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from genrl.flow.broadcast import _expand, compute_dtype
 from genrl.flow.guidance import cfg_combine
@@ -35,6 +36,8 @@ __all__ = [
     "reference_scale_to_w",
     "w_to_reference_scale",
     "dmd_cfg",
+    "gan_generator_loss",
+    "gan_discriminator_loss",
 ]
 
 
@@ -572,3 +575,33 @@ def dmd_cfg(
     else:
         w = reference_scale_to_w(reference_scale)
     return cfg_combine(cond, uncond, w, frame_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# DMD2's GAN term (non-saturating)
+# --------------------------------------------------------------------------------------------
+
+
+def gan_generator_loss(logit_fake: torch.Tensor) -> torch.Tensor:
+    """Non-saturating generator loss ``mean softplus(-D(x_fake)) = mean -log sigmoid(D(x_fake))`` (Goodfellow et al.
+    2014, section 3; the GAN term of DMD2, Yin et al. 2024, eq. 7, and of TMD's DMD2-v stage, weight 0.03).
+
+    Args:
+        logit_fake: discriminator logits of generated samples, [B] (any float dtype; computed in float32).
+    Returns:
+        scalar float32 loss; its gradient w.r.t. a logit is ``-(1 - sigmoid(logit)) / B``: it pushes fake logits up.
+    """
+    return F.softplus(-logit_fake.float()).mean()
+
+
+def gan_discriminator_loss(logit_real: torch.Tensor, logit_fake: torch.Tensor) -> torch.Tensor:
+    """The discriminator's logistic loss ``mean softplus(-D(x_real)) + mean softplus(D(x_fake))`` (binary
+    cross-entropy with real = 1, fake = 0; DMD2 trains its classifier head with it).
+
+    Args:
+        logit_real: logits of real (data) samples [B_r]; logit_fake: logits of generated samples [B_f] (detached
+            from the generator by the caller).
+    Returns:
+        scalar float32 loss, ``2 log 2`` when every logit is 0.
+    """
+    return F.softplus(-logit_real.float()).mean() + F.softplus(logit_fake.float()).mean()

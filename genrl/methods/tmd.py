@@ -41,7 +41,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow import add_noise, cfg_combine, critic_loss
+from genrl.flow import add_noise, cfg_combine, critic_loss, gan_discriminator_loss, gan_generator_loss
 from genrl.flow.tmd import (
     adaptive_loss,
     average_velocity,
@@ -64,9 +64,10 @@ from genrl.methods.common import (
     trainer_of,
 )
 from genrl.methods.distill import ScoreRole, dmd_noised, negative_cond, real_x0
+from genrl.models.discriminator import FeatureGANHeads
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles
+from genrl.models.roles import Roles, swapped_transformer
 from genrl.models.sharding import full_state_dict
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning
@@ -87,6 +88,7 @@ __all__ = ["TMD", "HEAD_CONFIG_FILE", "HEAD_WEIGHTS_FILE", "load_head", "load_tr
 
 # random streams of one training sample (genrl.noise)
 _S_X1, _S_OUTER, _S_INNER_NOISE, _S_INNER_TIME, _S_DROPOUT, _S_DMD, _S_CRITIC = 31, 32, 33, 34, 35, 36, 37
+_S_GAN_REAL = 38
 _STAGES = ("meanflow", "dmd")
 _HINT = " or check the teacher / critic weights"
 
@@ -128,6 +130,14 @@ class TMD(LightningModule):
         negative_prompt: the unconditional prompt of both CFGs and of caption dropout.
         dmd_shift / min_timestep / max_timestep: stage 2's VSD noise level draw (shift 5, timesteps in [1, 999]).
         critic_updates_per_generator_update: DMD2's ratio (5).
+        gan_weight: weight of DMD2-v's GAN term in the generator loss (stage 2; the paper: 0.03; 0 = none, no heads
+            built). GAN heads (:class:`~genrl.models.discriminator.FeatureGANHeads`) classify the frozen teacher's
+            features of noised data (real) against noised student samples (fake), at the critic's noise level; they
+            are trained with the critic's optimizer on the logistic loss, the generator on the non-saturating one
+            through the teacher.
+        gan_layers: block counts of the teacher after which its features are tapped (None: ``[round(0.53 L),
+            round(0.77 L), L]``, the paper's layers 16 / 23 / 30 of Wan2.1-1.3B's 30).
+        gan_channels: width of each GAN head (64).
         lora: train a LoRA adapter on the student's transformer (the head is always trained in full).
         generator_optimizer / critic_optimizer: factories (AdamW, the paper: lr 3e-5 stage 1, 1e-5 stage 2, betas
             (0.9, 0.99), weight decay 0.01).
@@ -168,6 +178,9 @@ class TMD(LightningModule):
         min_timestep: float = 1.0,
         max_timestep: float = 999.0,
         critic_updates_per_generator_update: int = 5,
+        gan_weight: float = 0.0,
+        gan_layers: list[int] | None = None,
+        gan_channels: int = 64,
         lora: LoraSpec | None = None,
         generator_optimizer: OptimizerCallable = torch.optim.AdamW,
         critic_optimizer: OptimizerCallable = torch.optim.AdamW,
@@ -195,6 +208,9 @@ class TMD(LightningModule):
                              f"{critic_updates_per_generator_update}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if gan_weight < 0 or (gan_weight > 0 and stage != "dmd"):
+            raise ValueError(f"gan_weight must be >= 0 and applies to stage 'dmd' only; got {gan_weight} in stage "
+                             f"{stage!r}")
         self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer"])
         self.generator_spec = policy_spec(self, generator)
         self.sampler = TransitionConfig(outer_steps=outer_steps, inner_steps=inner_steps, outer_shift=outer_shift,
@@ -218,6 +234,7 @@ class TMD(LightningModule):
         self.generator = None
         self.flow_head: FlowHead | None = None
         self.critic: torch.nn.Module | None = None
+        self.gan_heads: FeatureGANHeads | None = None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
@@ -253,6 +270,11 @@ class TMD(LightningModule):
             if h.stage == "dmd":
                 critic = self.critic_spec.build() if self.critic_spec is not None else copy.deepcopy(teacher)
                 self.roles.trainable("critic", critic.requires_grad_(True).train())
+                if h.gan_weight > 0:
+                    layers = self.gan_layers
+                    with swapped_transformer(gen, teacher):
+                        width = trunk_adapter(gen).hidden_size
+                    self.roles.trainable("gan_heads", FeatureGANHeads(width, len(layers), h.gan_channels))
         self.scorer.build(trainer_of(self))
 
     def configure_optimizers(self):
@@ -260,8 +282,8 @@ class TMD(LightningModule):
         if h.stage == "meanflow":
             opt = role_optimizers(self, joined={"generator": ["flow_head"]}, generator=self.generator_factory)[0]
             return linear_warmup(opt, h.warmup_steps)
-        return role_optimizers(self, joined={"generator": ["flow_head"]}, generator=self.generator_factory,
-                               critic=self.critic_factory)
+        joined = {"generator": ["flow_head"], **({"critic": ["gan_heads"]} if self.gan_heads is not None else {})}
+        return role_optimizers(self, joined=joined, generator=self.generator_factory, critic=self.critic_factory)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -279,6 +301,26 @@ class TMD(LightningModule):
         """M (1 + (N - 1) H / L) of the configured sampler."""
         return effective_nfe(self.sampler.outer_steps, self.sampler.inner_steps, self.student.head_layers,
                              self.student.num_layers)
+
+    @property
+    def gan_layers(self) -> list[int]:
+        """The teacher block counts the GAN heads tap (``gan_layers``, or the default for this L).
+
+        Raises:
+            ValueError: an entry outside 1 .. L (naming the option).
+        """
+        n = self.student.num_layers
+        layers = self.hparams.gan_layers or sorted({max(1, round(0.53 * n)), max(1, round(0.77 * n)), n})
+        if any(not 1 <= k <= n for k in layers):
+            raise ValueError(f"gan_layers {list(layers)}: block counts of the teacher must be in 1 .. L = {n}")
+        return list(layers)
+
+    def gan_logits(self, x_sigma: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        """GAN logits [B] (float32) of noised latents ``x_sigma`` at ``sigma`` [B]: the heads on the frozen teacher's
+        features at :attr:`gan_layers` (differentiable w.r.t. ``x_sigma`` and the heads)."""
+        with swapped_transformer(self.generator, self.roles.get("teacher")) as gen:
+            feats = trunk_adapter(gen).features_at(x_sigma, sigma, cond, self.gan_layers)
+        return self.gan_heads(feats)
 
     def _teacher(self) -> ScoreRole:
         return ScoreRole(self.generator, self.roles.get("teacher"))
@@ -358,24 +400,48 @@ class TMD(LightningModule):
     def vsd_step_loss(self, x_hat: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int) -> dict:
         """DMD2-v's VSD loss of the generator's samples x_hat (with their graph)."""
         h = self.hparams
-        sigma, _, x_sigma = dmd_noised(x_hat, idx, mix_seed(h.seed, it), _S_DMD, h.dmd_shift, h.min_timestep,
-                                       h.max_timestep, frame_dim=self.frame_dim)
+        sigma, eps, x_sigma = dmd_noised(x_hat, idx, mix_seed(h.seed, it), _S_DMD, h.dmd_shift, h.min_timestep,
+                                         h.max_timestep, frame_dim=self.frame_dim)
         with torch.no_grad():
             x0_fake = ScoreRole(self.generator, self.critic).x0(x_sigma, sigma, cond)
             w = h.teacher_cfg_scale
             x0_real = real_x0(self._teacher(), x_sigma, sigma, cond, w, negative_cond(self, len(cond)) if w != 1.0
                               else None)
         g = vsd_gradient(x0_fake, x0_real)
-        return {"loss": vsd_loss(x_hat, g), "g_rms": g.float().pow(2).mean().sqrt()}
+        out = {"loss": vsd_loss(x_hat, g), "g_rms": g.float().pow(2).mean().sqrt()}
+        if self.gan_heads is not None:  # the non-saturating term through the teacher's features of x_sigma(x_hat)
+            x_graph = add_noise(x_hat.float(), eps, sigma, frame_dim=self.frame_dim)  # x_sigma, with x_hat's graph
+            out["gan"] = gan_generator_loss(self.gan_logits(x_graph, sigma, cond))
+            out["loss"] = out["loss"] + h.gan_weight * out["gan"]
+        return out
 
-    def critic_step_loss(self, x_hat: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int) -> dict:
-        """The critic's flow-matching loss on the student's samples (detached)."""
+    def critic_step_loss(self, x_hat: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int,
+                         x0: torch.Tensor | None = None) -> dict:
+        """The critic's flow-matching loss on the student's samples (detached); with GAN heads, plus their logistic
+        loss on the teacher's features of the data latents ``x0`` (real) and the samples (fake), both noised at the
+        critic's sigma (independent noises)."""
         h = self.hparams
         x = x_hat.detach().float()
-        sigma, eps, x_sigma = dmd_noised(x, idx, mix_seed(h.seed, it), _S_CRITIC, h.dmd_shift, h.min_timestep,
+        seed = mix_seed(h.seed, it)
+        sigma, eps, x_sigma = dmd_noised(x, idx, seed, _S_CRITIC, h.dmd_shift, h.min_timestep,
                                          h.max_timestep, frame_dim=self.frame_dim)
         v = ScoreRole(self.generator, self.critic).velocity(x_sigma, sigma, cond)
-        return {"loss": critic_loss(v, x, eps, frame_dim=self.frame_dim)}
+        out = {"loss": critic_loss(v, x, eps, frame_dim=self.frame_dim)}
+        if self.gan_heads is not None:
+            if x0 is None:
+                raise ValueError("the GAN heads need the batch's data latents x0 (the real samples)")
+            eps_real = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_GAN_REAL, device=x0.device)
+            real = add_noise(x0.float(), eps_real, sigma, frame_dim=self.frame_dim)
+            with torch.no_grad():  # the heads train on fixed teacher features
+                with swapped_transformer(self.generator, self.roles.get("teacher")) as gen:
+                    adapter = trunk_adapter(gen)
+                    f_real = adapter.features_at(real, sigma, cond, self.gan_layers)
+                    f_fake = adapter.features_at(x_sigma, sigma, cond, self.gan_layers)
+            logit_real, logit_fake = self.gan_heads(f_real), self.gan_heads(f_fake)
+            out["gan"] = gan_discriminator_loss(logit_real, logit_fake)
+            out["gan_accuracy"] = 0.5 * ((logit_real > 0).float().mean() + (logit_fake < 0).float().mean())
+            out["loss"] = out["loss"] + out["gan"]
+        return out
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
@@ -400,12 +466,17 @@ class TMD(LightningModule):
                 backward_step(self, opt_g, out["loss"], "generator", _HINT, counted=False)  # the critic's counts
                 self.log("train/generator_loss", out["loss"].detach(), batch_size=bs)
                 self.log("train/vsd_grad_rms", out["g_rms"], batch_size=bs)
+                if "gan" in out:
+                    self.log("train/gan_generator_loss", out["gan"].detach(), batch_size=bs)
                 x_hat = x_hat.detach()
             else:
                 with torch.no_grad():
                     x_hat = self.student_sample(x0, cond, idx, it)
-            out_c = self.critic_step_loss(x_hat, cond, idx, it)
+            out_c = self.critic_step_loss(x_hat, cond, idx, it, x0)
             backward_step(self, opt_c, out_c["loss"], "critic", _HINT)
+            if "gan" in out_c:
+                self.log("train/gan_discriminator_loss", out_c["gan"].detach(), batch_size=bs)
+                self.log("train/gan_accuracy", out_c["gan_accuracy"], batch_size=bs)
             self.log("train/critic_loss", out_c["loss"].detach(), prog_bar=True, batch_size=bs)
         self.iteration += 1
         self.log("train/iteration", float(self.iteration), batch_size=bs)

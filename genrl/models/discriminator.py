@@ -1,4 +1,5 @@
-"""A small prompt-conditioned spatio-temporal video discriminator (AFD, GAN heads).
+"""A small prompt-conditioned spatio-temporal video discriminator (AFD), and GAN heads on a frozen network's
+features (DMD2 / TMD).
 
 `VideoDiscriminator` scores a clean (or noised) video and its prompt with one real number. It is a
 plain transformer over space-time patch tokens: patchify, fixed 3-D sin-cos positions computed for
@@ -15,6 +16,8 @@ gap becomes the student's advantage.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
@@ -24,7 +27,7 @@ from torch import nn
 
 from genrl.models.dit import sincos_position_embedding_3d, timestep_embedding
 
-__all__ = ["VideoDiscriminator"]
+__all__ = ["FeatureGANHeads", "VideoDiscriminator"]
 
 _READOUTS = ("token", "mean")
 
@@ -345,3 +348,42 @@ class VideoDiscriminator(ModelMixin, ConfigMixin):
         """
         return self(videos, cond.hidden_states, cond.attention_mask, sigma=sigma, frame_dim=frame_dim,
                     double_backward=double_backward)
+
+
+class FeatureGANHeads(nn.Module):
+    """DMD2-style GAN heads: one small 3-D convolutional classifier per tapped layer of a frozen network's features,
+    their logits summed (Yin et al. 2024, DMD2, section 4.3: a classification branch on the fake score's bottleneck;
+    TMD's DMD2-v puts Conv3D heads on the *teacher*'s unpatchified features at three depths).
+
+    Each head: Conv3d(D -> c, 3) -> GroupNorm -> SiLU -> Conv3d(c -> c, 3, stride (1, 2, 2)) -> GroupNorm -> SiLU ->
+    mean over (F, h, w) -> Linear(c -> 1). Any grid size works (padding 1; a 1-frame image grid too).
+
+    Args:
+        feature_dim: D, the channel count of every tapped feature grid.
+        num_taps: how many feature grids ``forward`` receives (one head each), >= 1.
+        channels: c, the heads' width (default 64).
+    Raises:
+        ValueError: ``num_taps`` < 1 or ``channels`` < 1.
+    """
+
+    def __init__(self, feature_dim: int, num_taps: int, channels: int = 64) -> None:
+        super().__init__()
+        if num_taps < 1 or channels < 1:
+            raise ValueError(f"FeatureGANHeads needs num_taps >= 1 and channels >= 1, got {num_taps}, {channels}")
+        groups = math.gcd(channels, 8)
+        self.heads = nn.ModuleList(nn.Sequential(
+            nn.Conv3d(feature_dim, channels, 3, padding=1), nn.GroupNorm(groups, channels), nn.SiLU(),
+            nn.Conv3d(channels, channels, 3, stride=(1, 2, 2), padding=1), nn.GroupNorm(groups, channels), nn.SiLU(),
+            nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(channels, 1),
+        ) for _ in range(num_taps))
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """Summed logits, float32 [B], of feature grids ``[B, D, F, h, w]`` (one per head, cast to the heads' dtype).
+
+        Raises:
+            ValueError: a number of grids other than ``num_taps``.
+        """
+        if len(features) != len(self.heads):
+            raise ValueError(f"{len(features)} feature grids for {len(self.heads)} GAN heads")
+        dtype = self.heads[0][0].weight.dtype
+        return sum(head(f.to(dtype)).squeeze(-1).float() for head, f in zip(self.heads, features, strict=True))

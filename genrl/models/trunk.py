@@ -188,6 +188,28 @@ class TrunkAdapter(abc.ABC):
     @abc.abstractmethod
     def _patch_embed(self, y: torch.Tensor) -> torch.Tensor: ...
 
+    @abc.abstractmethod
+    def feature_grid(self, state: TrunkState) -> torch.Tensor:
+        """The token stream ``state.h`` unpatchified to a 3-D grid ``[B, D, F, h, w]`` (F latent-frame patches, h x w
+        spatial patches; F = 1 for an image family), the layout DMD2-style GAN heads convolve over."""
+
+    def features_at(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, layers: list[int]
+                    ) -> list[torch.Tensor]:
+        """Intermediate features of the transformer at ``x``, ``sigma``: for each k in ``layers`` the
+        :meth:`feature_grid` of the state after blocks ``0 .. k-1`` (k blocks run), embedding once and running each
+        block once (up to ``max(layers)``). Differentiable w.r.t. ``x`` when gradients are enabled.
+
+        Raises:
+            ValueError: ``layers`` empty, or an entry outside ``1 .. L``.
+        """
+        if not layers or any(not 1 <= k <= self.num_layers for k in layers):
+            raise ValueError(f"feature layers must be block counts in 1 .. L = {self.num_layers}, got {layers}")
+        state, done, out = self.embed(x, sigma, cond), 0, {}
+        for k in sorted(set(layers)):
+            state, done = self.run_blocks(state, done, k), k
+            out[k] = self.feature_grid(state)
+        return [out[k] for k in layers]
+
     # ------------------------------------------------------------------ shared helpers
     def _in_root(self, fn, *args):
         """``fn(*args)`` run as the transformer's forward when the transformer is an FSDP2 unit: the stages outside
@@ -339,6 +361,10 @@ class DiTTrunk(TrunkAdapter):
         """``patch_embed`` of ``y`` [B, T, C, H, W] plus the additive 3-D position table: [B, F, S, D]."""
         return self._tokens(y)[0]
 
+    def feature_grid(self, state: TrunkState) -> torch.Tensor:
+        _, _, gh, gw = state.extra["grid"]
+        return rearrange(state.h, "b f (gh gw) d -> b d f gh gw", gh=gh, gw=gw)
+
 
 # ---------------------------------------------------------------------------------------------- Wan2.1
 class WanTrunk(TrunkAdapter):
@@ -468,6 +494,10 @@ class WanTrunk(TrunkAdapter):
         positions are rotary, in ``extra["rotary"]``)."""
         return self._tokens(y.to(self.generator.dtype))
 
+    def feature_grid(self, state: TrunkState) -> torch.Tensor:
+        f, gh, gw = state.extra["grid"]
+        return state.h.transpose(1, 2).reshape(state.h.shape[0], -1, f, gh, gw)
+
 
 # ---------------------------------------------------------------------------------------------- SD3 / SD3.5
 class SD3Trunk(TrunkAdapter):
@@ -558,6 +588,11 @@ class SD3Trunk(TrunkAdapter):
     def _patch_embed(self, y: torch.Tensor) -> torch.Tensor:
         """``pos_embed(y)`` of ``y`` [B, C, h, w]: tokens [B, N, D] *with* SD3's additive position table."""
         return self.transformer.pos_embed(y.to(self.generator.dtype)).contiguous()
+
+    def feature_grid(self, state: TrunkState) -> torch.Tensor:
+        p = self.transformer.config.patch_size
+        gh, gw = state.extra["size"][0] // p, state.extra["size"][1] // p
+        return state.h.transpose(1, 2).reshape(state.h.shape[0], -1, 1, gh, gw)
 
 
 def trunk_adapter(generator: nn.Module) -> TrunkAdapter:
