@@ -23,7 +23,10 @@ Examples::
 
 ``--model`` is anything :func:`genrl.models.loading.load_generator` takes: a genrl DiT folder (``config.json``
 of a ``VideoDiT``, e.g. ``assets/shapes-dit`` or a run's ``export/``), a diffusers pipeline folder
-(``model_index.json``) or a ``genrl fit`` checkpoint. Prompts come from ``--prompt`` (repeatable) and / or
+(``model_index.json``) or a ``genrl fit`` checkpoint. A TMD export (a folder with ``flow_head.json``) is sampled
+with its run's transition sampler (:func:`genrl.rollout.transition.transition_rollout`: M outer x N inner steps, no
+CFG; ``--outer-steps`` / ``--inner-steps`` override M / N, the ODE flags are refused for it).
+Prompts come from ``--prompt`` (repeatable) and / or
 ``--prompts`` (a .txt / .jsonl / .json file such as VBench's ``VBench_full_info.json``, or a built-in source:
 ``vbench``, ``vbench:<dimension>`` (e.g. ``vbench:dynamic_degree``), ``geneval``, ``ocr``, ``shapes:train``,
 ``shapes:heldout``), the latter cut to ``--limit``.
@@ -54,11 +57,13 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-_SETTINGS = ("model", "seed", "index", "steps", "cfg_scale", "shift", "kernel", "height", "width", "num_frames")
+_SETTINGS = ("model", "seed", "index", "steps", "cfg_scale", "shift", "kernel", "height", "width", "num_frames",
+             "inner_steps")
 
 #: the folder's record of the flags that decide its file names and contents (written by the first run)
 SETTINGS_FILE = "generate_settings.json"
@@ -66,7 +71,8 @@ SETTINGS_FILE = "generate_settings.json"
 #: are not among them (a longer --limit extends the same layout; samples do not depend on their batch)
 _LAYOUT_FLAGS = ("model", "pretrained", "no_ema", "text_encoder", "prompt", "prompts", "samples_per_prompt",
                  "vbench_names", "frames", "height", "width", "steps", "cfg_scale", "shift", "negative_prompt", "seed",
-                 "fps", "causal_chunk", "timesteps", "local_window", "sink", "positions", "dtype")
+                 "fps", "causal_chunk", "timesteps", "local_window", "sink", "positions", "dtype", "outer_steps",
+                 "inner_steps")
 
 
 def layout_settings(args: argparse.Namespace) -> dict:
@@ -179,6 +185,27 @@ def _causal_schedule(gen, args, shift: float):
     return ChunkSchedule(causal=causal, timesteps=args.timesteps or [1000.0, 750.0, 500.0, 250.0], shift=shift)
 
 
+def _transition_sampler(args: argparse.Namespace) -> bool | None:
+    """True for a TMD export (``flow_head.json`` beside the transformer; sampled with the transition sampler), after
+    checking that no plain-ODE sampler flag was given for it; None otherwise (and then --outer-steps /
+    --inner-steps are refused)."""
+    if not (Path(args.model) / "flow_head.json").is_file():
+        if args.outer_steps is not None or args.inner_steps is not None:
+            raise ValueError(f"--outer-steps / --inner-steps apply to a TMD export (a folder with flow_head.json); "
+                             f"{args.model!r} is not one: use --steps")
+        return None
+    flags = (("--steps", args.steps), ("--cfg-scale", args.cfg_scale), ("--shift", args.shift),
+             ("--causal-chunk", args.causal_chunk), ("--timesteps", args.timesteps))
+    given = [flag for flag, v in flags if v is not None]
+    if given:
+        raise ValueError(f"{args.model!r} is a TMD export, sampled by its transition sampler (M outer x N inner steps, "
+                         f"no CFG): {', '.join(given)} do not apply; use --outer-steps / --inner-steps")
+    for flag, v in (("--outer-steps", args.outer_steps), ("--inner-steps", args.inner_steps)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    return True
+
+
 def _causal_sample(gen, prompts, latent_shape, seed, indices, schedule):
     """Latents of a causal student: chunk by chunk with the KV cache (genrl.rollout.autoregressive)."""
     from genrl.rollout.autoregressive import ar_rollout
@@ -229,6 +256,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sink", type=int, default=0, help="causal student: sink frames kept with --local-window")
     p.add_argument("--positions", choices=["absolute", "relative"], default="absolute",
                    help="causal student: frame positions (relative keeps long streams inside the trained range)")
+    p.add_argument("--outer-steps", type=int, default=None, help="TMD export: M outer transitions (default: the run's)")
+    p.add_argument("--inner-steps", type=int, default=None,
+                   help="TMD export: N inner flow-head steps per transition (default: the run's)")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="family weights dtype (default: bfloat16 on cuda, else float32)")
     return p
@@ -268,20 +298,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise ValueError(f"--out {str(out)!r} is a file; give a folder")
     layout = layout_settings(args)
     check_settings(out, layout)
+    from genrl.flow.tmd import effective_nfe
     from genrl.rollout.sampler import RolloutConfig, rollout
+    from genrl.rollout.transition import transition_rollout
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     t0 = time.perf_counter()
-    if (Path(args.model) / "flow_head.json").is_file():
-        raise SystemExit(f"{args.model} is a TMD export (it has a flow head): generate.py has no transition-sampler "
-                         f"mode yet and would sample its transformer as a plain model; sample it with "
-                         f"genrl.methods.tmd.load_transition_model + genrl.rollout.transition.transition_rollout, or "
-                         f"evaluate it with benchmarks/tmd_shapes.py --no-train --models name={args.model} "
-                         f"(docs/methods/tmd.md)")
-    gen = load_generator(args.model, text_encoder=args.text_encoder, height=args.height, width=args.width,
-                         num_frames=args.frames, torch_dtype=dtype, use_ema=not args.no_ema,
-                         pretrained=args.pretrained)
+    transition = _transition_sampler(args)  # True for a TMD export (checked before loading), else None
+    load = dict(text_encoder=args.text_encoder, height=args.height, width=args.width, num_frames=args.frames,
+                torch_dtype=dtype, use_ema=not args.no_ema, pretrained=args.pretrained)
+    if transition is not None:
+        from genrl.rollout.transition import load_transition_model
+
+        gen, student, tconfig = load_transition_model(args.model, **load)
+        tconfig = replace(tconfig, outer_steps=args.outer_steps or tconfig.outer_steps,
+                          inner_steps=args.inner_steps or tconfig.inner_steps)
+        student.to(device)
+    else:
+        gen = load_generator(args.model, **load)
     gen.to(device)
     recorded = gen.load_info.get("sampling") or {}  # the recorded validation sampler (export or checkpoint)
     if isinstance(gen, DiTGenerator):
@@ -299,11 +334,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         shift = getattr(gen, "default_shift_for_size", gen.default_shift) if args.shift is None else args.shift
         is_video = bool(gen.is_video)
         batch_default = 1
-    schedule = _causal_schedule(gen, args, shift)
+    schedule = _causal_schedule(gen, args, shift) if transition is None else None
     steps = schedule.num_steps if schedule is not None else (args.steps or recorded.get("steps") or d["steps"])
     cfg_scale = recorded.get("cfg_scale", d["cfg_scale"]) if args.cfg_scale is None else args.cfg_scale
-    if schedule is not None:
-        cfg_scale = 1.0  # a distilled causal student samples without CFG
+    if schedule is not None or transition is not None:
+        cfg_scale = 1.0  # a distilled student (causal or TMD) samples without CFG
+    if transition is not None:
+        kind, steps, shift = "tmd", tconfig.outer_steps, tconfig.outer_shift
     fps = args.fps or d["fps"] or 8
     batch_size = args.batch_size or batch_default
     config = RolloutConfig(kernel="ode", num_steps=steps, shift=shift, cfg_scale=cfg_scale,
@@ -314,12 +351,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     cfg_scale=cfg_scale, shift=schedule.shift if schedule is not None else shift,
                     kernel="ode" if schedule is None else f"causal_{schedule.kernel}", height=height, width=width,
                     num_frames=num_frames, fps=fps if is_video else None)
+    if transition is not None:  # M x N transitions, the run's grids and inner flow
+        settings.update(kernel="transition", inner_steps=tconfig.inner_steps, inner_shift=tconfig.inner_shift,
+                        parameterization=tconfig.parameterization,
+                        effective_nfe=round(effective_nfe(tconfig.outer_steps, tconfig.inner_steps,
+                                                          student.head_layers, student.num_layers), 4))
     if schedule is not None:  # the causal student's layout and few-step list
         c = schedule.causal
         settings.update(timesteps=schedule.timesteps, chunk_size=c.chunk_size, first_chunk_size=c.first_chunk_size,
                         local_window=c.local_window, sink_frames=c.sink_frames, positions=c.positions)
+    what = f"{steps} steps, CFG {cfg_scale}, shift {shift}"
+    if transition is not None:
+        what = f"M {tconfig.outer_steps} x N {tconfig.inner_steps} transitions (NFE {settings['effective_nfe']})"
     print(f"loaded {kind} generator from {args.model} in {time.perf_counter() - t0:.1f} s; "
-          f"{height}x{width}x{num_frames}, {steps} steps, CFG {cfg_scale}, shift {shift}, on {device}")
+          f"{height}x{width}x{num_frames}, {what}, on {device}")
 
     out.mkdir(parents=True, exist_ok=True)
     _write_settings(out, layout)
@@ -377,7 +422,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         task = bar.add_task("generating", total=len(todo))
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            if schedule is None:
+            if transition is not None:
+                with torch.no_grad():
+                    latents = transition_rollout(student, gen.encode_prompts([r["prompt"] for r in chunk]),
+                                                 latent_shape, args.seed, torch.tensor([r["index"] for r in chunk]),
+                                                 tconfig).latents
+            elif schedule is None:
                 latents = rollout(gen, [r["prompt"] for r in chunk], latent_shape, args.seed,
                                   [r["index"] for r in chunk], config, record=False).final
             else:

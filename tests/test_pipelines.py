@@ -399,12 +399,63 @@ def test_limit_beyond_the_prompt_source_says_so_and_a_limit_below_one_is_refused
     assert not (tmp_path / "o").exists()
 
 
-def test_generate_refuses_a_tmd_export_instead_of_sampling_it_wrongly(tmp_path, monkeypatch):
-    """A TMD export (a transformer plus flow_head.*) would sample as a plain model, ignoring its head: generate.py
-    stops before loading anything and names the TMD sampler and the evaluation script."""
-    export = tmp_path / "export"
-    export.mkdir()
-    (export / "flow_head.json").write_text("{}")
-    _no_model(monkeypatch)
-    with pytest.raises(SystemExit, match="TMD export .*load_transition_model.*tmd_shapes.py"):
-        generate.main(["--model", str(export), "--prompt", PROMPTS[0], "--out", str(tmp_path / "o")])
+def _tmd_export(tiny_policy: str, folder: Path) -> Path:
+    """A TMD export of the tiny policy: its transformer plus an open-gate flow head with random weights (so the head
+    changes the samples), M 2 x N 2."""
+    import shutil
+
+    from genrl.models import DiTGenerator, ModelSpec
+    from genrl.models.trunk import FlowHead, save_head, trunk_adapter
+
+    shutil.copytree(tiny_policy, folder)
+    from types import SimpleNamespace
+
+    gen = DiTGenerator(ModelSpec(pretrained=tiny_policy).build(), SimpleNamespace(hidden_size=16))  # no prompts here
+    torch.manual_seed(0)
+    head = FlowHead(trunk_adapter(gen), num_layers=1, gate_init=0.0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    save_head(head, folder, {"head_layers": 1, "head_time": "inner", "gate_init": 0.0, "parameterization": "denoiser",
+                             "outer_steps": 2, "inner_steps": 2, "outer_shift": 10.0, "inner_shift": 10.0,
+                             "t_max": 0.999})
+    return folder
+
+
+def test_generate_samples_a_tmd_export_with_its_transition_sampler(tmp_path, monkeypatch, tiny_policy,
+                                                                   tiny_text_encoder):
+    """A TMD export (flow_head.json beside the transformer) is sampled by the run's transition sampler: the written
+    videos are exactly load_transition_model + transition_rollout's at the same (seed, index) addresses, the manifest
+    records M, N and the effective NFE; --inner-steps changes the samples; ODE flags are refused for a TMD export
+    and --outer-steps / --inner-steps for a plain model, before anything loads or is written."""
+    import genrl.data.video_io as video_io
+    from genrl.rollout.transition import load_transition_model, transition_rollout
+
+    export = _tmd_export(tiny_policy, tmp_path / "export")
+    written = {}
+    def write_video(path, video, fps):  # keep the tensor (an mp4 is lossy), leave a file for the manifest
+        written[Path(path).name] = video
+        Path(path).write_bytes(b"")
+
+    monkeypatch.setattr(video_io, "write_video", write_video)
+    base = ["--model", str(export), "--text-encoder", tiny_text_encoder, "--prompt", PROMPTS[0], "--prompt",
+            PROMPTS[1], "--seed", "4"]
+    records = generate.main(base + ["--out", str(tmp_path / "a")])
+    assert [r["kernel"] for r in records] == ["transition"] * 2
+    assert records[0]["steps"] == 2 and records[0]["inner_steps"] == 2 and records[0]["cfg_scale"] == 1.0
+    assert records[0]["effective_nfe"] == pytest.approx(2 * (1 + 1 / 2))  # L = 2, H = 1
+    gen, student, config = load_transition_model(export, text_encoder=tiny_text_encoder)
+    with torch.no_grad():
+        out = transition_rollout(student, gen.encode_prompts(PROMPTS), (8, 3, 16, 16), 4, torch.tensor([0, 1]),
+                                 config)
+        want = gen.decode(out.latents).float()
+    for r, video in zip(records, want, strict=True):
+        torch.testing.assert_close(written[r["file"]], video, atol=1e-6, rtol=0)
+    three = generate.main(base + ["--inner-steps", "3", "--out", str(tmp_path / "b")])
+    assert three[0]["inner_steps"] == 3
+    assert float((written[three[0]["file"]] - want[0]).abs().max()) > 1e-4  # the same address, another N
+    with pytest.raises(ValueError, match="is a TMD export.*--steps, --cfg-scale do not apply"):
+        generate.main(base + ["--steps", "4", "--cfg-scale", "2", "--out", str(tmp_path / "c")])
+    with pytest.raises(ValueError, match="--outer-steps / --inner-steps apply to a TMD export"):
+        generate.main(["--model", tiny_policy, "--outer-steps", "2", "--prompt", "a", "--out", str(tmp_path / "d")])
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
