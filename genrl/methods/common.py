@@ -16,14 +16,15 @@ from torch.nn.parallel import DistributedDataParallel
 from genrl.data import data_parallel_of
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.lora import LoraSpec
+from genrl.noise import rand_per_sample
 from genrl.rewards import RewardManager
 from genrl.rollout.sampler import RolloutConfig
 
-__all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "build_policy", "build_student", "check_finite",
-           "check_no_dropout", "configure_policy", "configure_policy_optimizer", "default_latent_shape",
+__all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "build_policy", "build_student", "caption_dropout",
+           "check_finite", "check_no_dropout", "configure_policy", "configure_policy_optimizer", "default_latent_shape",
            "frame_shape_of", "gather_batch", "linear_warmup", "local_mini_batch", "log_validation_rewards",
            "ode_validation_config", "policy_optimizer", "backward_step", "policy_spec", "rank_slice",
-           "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
+           "role_optimizers", "step_uncounted", "trainer_of", "video_batch", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -255,6 +256,44 @@ def check_no_dropout(module: nn.Module) -> None:
             raise ValueError(f"reuse_rollout_forward: the policy has dropout p={m.p} at {name!r}; the rollout runs "
                              "in eval mode, so its forwards are not the training forwards. Set the dropout to 0 or "
                              "reuse_rollout_forward: false")
+
+
+def video_batch(method: LightningModule, batch: dict) -> tuple[torch.Tensor, list[str], torch.Tensor]:
+    """A video datamodule's batch as data latents: ``(x0, prompts, index)``.
+
+    Args:
+        batch: ``{"pixels": float [B, T, C, H, W] in [0, 1], "prompts": B captions, "index": int64 [B] (optional)}``.
+    Returns:
+        x0: ``method.generator.encode(pixels)`` in float32, without gradients; prompts: the B captions; index: int64
+        [B] on the CPU, the batch's global sample ids, or when the batch has none, ids unique over steps and
+        data-parallel ranks: ``(global_step * world + rank) * B + arange(B)`` (they address every random draw).
+    Raises:
+        ValueError: pixels that are not 5-D (names the shape).
+    """
+    pixels = batch["pixels"]
+    if pixels.ndim != 5:
+        raise ValueError(f"batch['pixels'] must be [B, T, C, H, W] in [0, 1], got {tuple(pixels.shape)}")
+    b = pixels.shape[0]
+    if "index" in batch:
+        index = batch["index"].cpu()
+    else:
+        rank, world = world_of(method)
+        step = int(getattr(trainer_of(method), "global_step", 0) or 0)
+        index = torch.arange(b) + (step * world + rank) * b
+    with torch.no_grad():
+        x0 = method.generator.encode(pixels).float()
+    return x0, list(batch["prompts"]), index
+
+
+def caption_dropout(prompts: list[str], probability: float, seed: int, index: torch.Tensor, stream: int,
+                    null_prompt: str = "") -> list[str]:
+    """Replace each prompt by ``null_prompt`` with ``probability`` (classifier-free guidance training, Ho & Salimans
+    2022), sample i's draw addressed by (``seed``, ``index[i]``, ``stream``): the same samples are dropped whatever
+    the batch composition or device count."""
+    if probability <= 0:
+        return list(prompts)
+    drop = rand_per_sample((), seed, index, stream=stream) < probability
+    return [null_prompt if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
 
 
 def default_latent_shape(generator, latent_shape=None) -> tuple[int, ...]:

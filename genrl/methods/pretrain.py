@@ -25,17 +25,19 @@ from genrl.flow import DIFFUSION_FORCING_MODES, TimestepSampler, add_noise, diff
 from genrl.methods.common import (
     Scorer,
     build_policy,
+    caption_dropout,
     linear_warmup,
     log_validation_rewards,
     policy_optimizer,
     policy_spec,
     trainer_of,
+    video_batch,
 )
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
-from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
+from genrl.noise import randn_per_sample, sample_generator
 from genrl.rollout.ode import sample_ode
 
 __all__ = ["FlowMatchingPretrain"]
@@ -135,12 +137,6 @@ class FlowMatchingPretrain(LightningModule):
         return linear_warmup(policy_optimizer(self.generator, self.optimizer_factory), self.hparams.warmup_steps)
 
     # ------------------------------------------------------------------ training
-    def _indices(self, batch: dict) -> torch.Tensor:
-        if "index" in batch:
-            return batch["index"].cpu()
-        b = batch["pixels"].shape[0]
-        return torch.arange(b) + self.global_step * b
-
     @property
     def frame_dim(self) -> int:
         """The frame axis of the generator's latents (1: [B, T, C, H, W]; 2: Wan's [B, C, F, h, w])."""
@@ -165,18 +161,11 @@ class FlowMatchingPretrain(LightningModule):
         ])
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        pixels = batch["pixels"]
-        if pixels.ndim != 5:
-            raise ValueError(f"batch['pixels'] must be [B, T, C, H, W] in [0, 1], got {tuple(pixels.shape)}")
-        prompts = list(batch["prompts"])
-        idx = self._indices(batch)
-        x0 = self.generator.encode(pixels).float()
+        x0, prompts, idx = video_batch(self, batch)
         eps = randn_per_sample(x0.shape[1:], self.hparams.seed, idx, stream=_STREAM_NOISE, device=x0.device)
         fd = self.frame_dim
         sigma = self._sample_sigma(idx, x0.shape[fd]).to(x0.device)
-        if self.hparams.caption_dropout > 0:
-            drop = rand_per_sample((), self.hparams.seed, idx, stream=_STREAM_DROPOUT) < self.hparams.caption_dropout
-            prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
+        prompts = caption_dropout(prompts, self.hparams.caption_dropout, self.hparams.seed, idx, _STREAM_DROPOUT)
         cond = self.generator.encode_prompts(prompts)
         x = add_noise(x0, eps, sigma, frame_dim=fd)
         v = self.generator.velocity(x, sigma, cond, attention=self.hparams.attention)

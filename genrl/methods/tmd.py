@@ -57,11 +57,13 @@ from genrl.methods.common import (
     Scorer,
     backward_step,
     build_policy,
+    caption_dropout,
     linear_warmup,
     log_validation_rewards,
     policy_spec,
     role_optimizers,
     trainer_of,
+    video_batch,
 )
 from genrl.methods.distill import ScoreRole, dmd_noised, negative_cond, real_x0
 from genrl.models.discriminator import FeatureGANHeads
@@ -335,23 +337,12 @@ class TMD(LightningModule):
         x1 = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_X1, device=x0.device)
         return t, x1, add_noise(x0, x1, t, frame_dim=self.frame_dim)
 
-    def _data(self, batch: dict) -> tuple[torch.Tensor, list[str], torch.Tensor]:
-        pixels = batch["pixels"]
-        if pixels.ndim != 5:
-            raise ValueError(f"batch['pixels'] must be [B, T, C, H, W] in [0, 1], got {tuple(pixels.shape)}")
-        idx = batch["index"].cpu() if "index" in batch else torch.arange(pixels.shape[0])
-        with torch.no_grad():
-            x0 = self.generator.encode(pixels).float()
-        return x0, list(batch["prompts"]), idx
-
     # ------------------------------------------------------------------ stage 1
     def meanflow_loss(self, x0: torch.Tensor, prompts: list[str], idx: torch.Tensor, it: int) -> dict:
         """One TM-MeanFlow step's loss on data latents x0 [B, *latent] (see the module docstring)."""
         h = self.hparams
         seed = mix_seed(h.seed, it)
-        if h.caption_dropout > 0:
-            drop = rand_per_sample((), seed, idx, stream=_S_DROPOUT) < h.caption_dropout
-            prompts = [h.negative_prompt if d else p for p, d in zip(prompts, drop.tolist())]
+        prompts = caption_dropout(prompts, h.caption_dropout, seed, idx, _S_DROPOUT, h.negative_prompt)
         cond = self.generator.encode_prompts(prompts)
         t, x1, x_t = self._outer_point(x0, idx, it)
         y = x1 - x0
@@ -445,7 +436,7 @@ class TMD(LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        x0, prompts, idx = self._data(batch)
+        x0, prompts, idx = video_batch(self, batch)
         it = int(self.iteration)
         bs = len(prompts)
         if self.hparams.stage == "meanflow":
