@@ -212,12 +212,58 @@ class GenRLCLI(LightningCLI):
         if problem:
             raise SystemExit(f"genrl fit: {problem}")
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--run_dir", type=str | None, default=None,
+                            help="put this run in another folder: every path under the config's "
+                                 "trainer.default_root_dir (logger save_dir, checkpoint and export dirpaths) moves "
+                                 "under run_dir, so a variant of a recipe does not overwrite the recipe's run")
+
     def before_instantiate_classes(self) -> None:
         """Refuse an accelerator this machine does not have (e.g. ``gpu`` without CUDA) before the model is built,
-        naming the fix ``--trainer.accelerator=cpu``."""
+        naming the fix ``--trainer.accelerator=cpu``; apply ``--run_dir`` (:func:`relocate_run`)."""
         problem = _accelerator_problem(self._get(self.config, "trainer", default={}).get("accelerator"))
         if problem:
             self._parser(self.subcommand).error(problem)
+        run_dir = self._get(self.config, "run_dir")
+        if run_dir:
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            relocate_run(config.trainer, str(run_dir))
+
+
+def relocate_run(trainer, run_dir: str) -> list[str]:
+    """Move a run's folders: ``trainer.default_root_dir`` becomes ``run_dir``, and every logger ``save_dir`` and
+    callback ``dirpath`` under the old root moves under ``run_dir`` (the same relative path). Paths outside the old
+    root (e.g. a pretrained model from another run) are left alone. ``trainer``: the parsed trainer config (a
+    namespace; logger / callbacks as class_path + init_args entries). Returns the changed keys.
+
+    Raises:
+        ValueError: the config has no ``trainer.default_root_dir`` to move from.
+    """
+    old = getattr(trainer, "default_root_dir", None)
+    if not old:
+        raise ValueError("--run_dir needs a trainer.default_root_dir in the config (the folder whose paths it moves)")
+    old_path, new_path = Path(str(old)), Path(run_dir)
+
+    def moved(value):
+        if not isinstance(value, str) or not value:
+            return None
+        p = Path(value)
+        if p == old_path or old_path in p.parents:
+            return str(new_path / p.relative_to(old_path))
+        return None
+
+    changed = ["trainer.default_root_dir"]
+    trainer.default_root_dir = str(new_path)
+    for group, key in (("logger", "save_dir"), ("callbacks", "dirpath")):
+        entries = getattr(trainer, group, None)
+        entries = entries if isinstance(entries, list) else [entries]
+        for i, entry in enumerate(entries):
+            args = getattr(entry, "init_args", None)
+            new = moved(getattr(args, key, None)) if args is not None else None
+            if new is not None:
+                setattr(args, key, new)
+                changed.append(f"trainer.{group}[{i}].{key}")
+    return changed
 
 
 def _resume_problem(trainer: Trainer, ckpt_path: str | None) -> str | None:

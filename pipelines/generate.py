@@ -199,7 +199,8 @@ def _transition_sampler(args: argparse.Namespace) -> bool | None:
     given = [flag for flag, v in flags if v is not None]
     if given:
         raise ValueError(f"{args.model!r} is a TMD export, sampled by its transition sampler (M outer x N inner steps, "
-                         f"no CFG): {', '.join(given)} do not apply; use --outer-steps / --inner-steps")
+                         f"no CFG): {', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply; use "
+                         f"--outer-steps / --inner-steps")
     for flag, v in (("--outer-steps", args.outer_steps), ("--inner-steps", args.inner_steps)):
         if v is not None and v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")

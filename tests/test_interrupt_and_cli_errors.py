@@ -92,6 +92,41 @@ def test_every_config_gets_the_interrupt_checkpoint(tiny_policy, tiny_text_encod
     assert sum(isinstance(c, InterruptCheckpoint) for c in cli.trainer.callbacks) == 1
 
 
+def test_run_dir_moves_every_path_under_the_runs_root_and_nothing_else(tiny_policy, tiny_text_encoder, tmp_path,
+                                                                      monkeypatch):
+    """--run_dir: default_root_dir, the logger's save_dir and the checkpoint / export dirpaths under the config's old
+    root move under the new folder (relative paths kept); paths outside the old root stay; without the flag nothing
+    moves; relocate_run without a default_root_dir is an error."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from genrl.callbacks import DiffusersExport
+    from genrl.cli import relocate_run
+
+    monkeypatch.chdir(tmp_path)
+    cli = GenRLCLI(args=[*_args(tiny_policy, tiny_text_encoder)[1:], "--run_dir=runs/variant"], run=False)
+    t = cli.trainer
+    assert t.default_root_dir == "runs/variant" and t.logger.save_dir == "runs/variant"
+    export = next(c for c in t.callbacks if isinstance(c, DiffusersExport))
+    ckpt = next(c for c in t.callbacks if isinstance(c, ModelCheckpoint))
+    assert export.dirpath == "runs/variant/export"
+    assert Path(ckpt.dirpath) == tmp_path / "runs/variant/checkpoints"
+    plain = GenRLCLI(args=_args(tiny_policy, tiny_text_encoder)[1:], run=False).trainer
+    assert plain.default_root_dir == "runs/quickstart"
+    entry = lambda key, value: SimpleNamespace(init_args=SimpleNamespace(**{key: value}))  # noqa: E731
+    trainer = SimpleNamespace(default_root_dir="runs/a", logger=entry("save_dir", "runs/a"),
+                              callbacks=[entry("dirpath", "runs/a/ck"), entry("dirpath", "elsewhere/x"),
+                                         entry("dirpath", "runs/ab/y"), SimpleNamespace(init_args=None)])
+    assert relocate_run(trainer, "/out/b") == ["trainer.default_root_dir", "trainer.logger[0].save_dir",
+                                               "trainer.callbacks[0].dirpath"]
+    assert trainer.logger.init_args.save_dir == "/out/b" and trainer.callbacks[0].init_args.dirpath == "/out/b/ck"
+    assert trainer.callbacks[1].init_args.dirpath == "elsewhere/x" and trainer.callbacks[2].init_args.dirpath == \
+        "runs/ab/y"  # a sibling folder with a common prefix is not under the root
+    with pytest.raises(ValueError, match="--run_dir needs a trainer.default_root_dir"):
+        relocate_run(SimpleNamespace(default_root_dir=None), "x")
+
+
 def _first_lines(capsys, monkeypatch, args) -> list[str]:
     monkeypatch.setattr("sys.argv", ["genrl", *args])  # as typed in a shell
     with pytest.raises(SystemExit) as stop:
