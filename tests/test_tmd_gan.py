@@ -117,7 +117,11 @@ def test_critic_step_trains_the_heads_on_real_against_fake_and_leaves_the_teache
     """The critic's loss gains the logistic loss of the heads on the teacher's features of noised data (real) vs
     noised samples (fake), at the critic's sigma; an optimizer step of the critic's optimizer moves the heads and not
     the teacher; without the data latents it is an error."""
+    torch.manual_seed(0)  # the heads' initialisation, whatever ran before
     model = _stage2(tiny_policy, tiny_text_encoder, gan_weight=0.03)
+    with torch.no_grad():  # fresh heads give logits near 0 for everything: spread them so real / fake differ
+        for head in model.gan_heads.heads:
+            head[-1].weight.mul_(300.0)
     x0, idx = _data()
     cond = model.generator.encode_prompts(PROMPTS)
     with torch.no_grad():
@@ -140,6 +144,7 @@ def test_critic_step_trains_the_heads_on_real_against_fake_and_leaves_the_teache
         l_real = model.gan_heads(adapter.features_at(real, sigma, cond, [1, 2]))
         l_fake = model.gan_heads(adapter.features_at(fake, sigma, cond, [1, 2]))
     assert float(out["gan"]) == pytest.approx(float(gan_discriminator_loss(l_real, l_fake)), rel=1e-5)
+    assert float((l_real - l_fake).abs().max()) > 0.1  # the spread heads tell the two inputs apart
     assert float(out["gan"]) != pytest.approx(float(gan_discriminator_loss(l_fake, l_real)), rel=1e-3)  # roles matter
     heads = {k: v.clone() for k, v in model.gan_heads.state_dict().items()}
     teacher = {k: v.clone() for k, v in model.roles.get("teacher").state_dict().items()}
