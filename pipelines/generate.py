@@ -96,7 +96,9 @@ def check_settings(out: Path, settings: dict) -> None:
         return
     diff = [k for k in settings if k in old and old[k] != settings[k]]
     if diff:
-        flags = "; ".join(f"--{k.replace('_', '-')}: {old[k]!r} in the folder, {settings[k]!r} now" for k in diff)
+        shown = lambda v: "the model's default (not given)" if v is None else repr(v)  # noqa: E731
+        flags = "; ".join(f"--{k.replace('_', '-')}: {shown(old[k])} in the folder, {shown(settings[k])} now"
+                          for k in diff)
         raise ValueError(f"{str(out)!r} holds samples made with other settings ({flags}); its files would mix two "
                          f"layouts. Use a new --out for these settings, or rerun with the folder's flags "
                          f"(recorded in {str(path)!r}) to resume it")

@@ -316,6 +316,8 @@ def test_generate_resume_with_another_layout_errors_before_loading_and_keeps_eve
         generate.main([*argv, "--samples-per-prompt", "2", "--seed", "3"])
     msg = str(err.value)
     assert "--samples-per-prompt: 1 in the folder, 2 now" in msg and "--seed: 0 in the folder, 3 now" in msg
+    with pytest.raises(ValueError, match=r"--fps: the model's default \(not given\) in the folder, 4 now"):
+        generate.main([*argv, "--fps", "4"])
     assert "new --out" in msg and "--height" not in msg
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # nothing lost, nothing added
 
