@@ -1,4 +1,4 @@
-"""Shared method plumbing (genrl.methods.common): a video batch as data latents with addressed sample ids, and
+"""Shared method plumbing (genrl.methods.phases): a video batch as data latents with addressed sample ids, and
 caption dropout addressed per sample."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from genrl.methods.common import caption_dropout, video_batch
+from genrl.methods.phases import caption_dropout, video_batch
 from genrl.noise import rand_per_sample
 
 
@@ -25,7 +25,7 @@ def _method(step: int = 0, rank: int = 0, world: int = 1):
 def test_video_batch_encodes_and_keeps_or_makes_unique_ids(monkeypatch):
     """x0 = the generator's encoding in float32 without gradients; the batch's own ids are kept; without ids they are
     (step * world + rank) * B + arange(B): disjoint across steps and ranks; non-5-D pixels are refused."""
-    import genrl.methods.common as common
+    import genrl.methods.phases as common
 
     pixels = torch.rand(3, 2, 3, 4, 4, requires_grad=True)
     batch = {"pixels": pixels, "prompts": ("a", "b", "c"), "index": torch.tensor([7, 3, 11])}

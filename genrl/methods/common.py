@@ -16,15 +16,14 @@ from torch.nn.parallel import DistributedDataParallel
 from genrl.data import data_parallel_of
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.lora import LoraSpec
-from genrl.noise import rand_per_sample
 from genrl.rewards import RewardManager
 from genrl.rollout.sampler import RolloutConfig
 
-__all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "build_policy", "build_student", "caption_dropout",
-           "check_finite", "check_no_dropout", "configure_policy", "configure_policy_optimizer", "default_latent_shape",
-           "frame_shape_of", "gather_batch", "linear_warmup", "local_mini_batch", "log_validation_rewards",
-           "ode_validation_config", "policy_optimizer", "backward_step", "policy_spec", "rank_slice",
-           "role_optimizers", "step_uncounted", "trainer_of", "video_batch", "world_of"]
+__all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "backward_step", "build_policy", "build_student",
+           "check_finite", "check_no_dropout", "clip_and_step", "configure_policy", "configure_policy_optimizer",
+           "default_latent_shape", "frame_shape_of", "gather_batch", "linear_warmup", "local_mini_batch",
+           "log_validation_rewards", "ode_validation_config", "policy_optimizer", "policy_spec", "rank_slice",
+           "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -258,44 +257,6 @@ def check_no_dropout(module: nn.Module) -> None:
                              "reuse_rollout_forward: false")
 
 
-def video_batch(method: LightningModule, batch: dict) -> tuple[torch.Tensor, list[str], torch.Tensor]:
-    """A video datamodule's batch as data latents: ``(x0, prompts, index)``.
-
-    Args:
-        batch: ``{"pixels": float [B, T, C, H, W] in [0, 1], "prompts": B captions, "index": int64 [B] (optional)}``.
-    Returns:
-        x0: ``method.generator.encode(pixels)`` in float32, without gradients; prompts: the B captions; index: int64
-        [B] on the CPU, the batch's global sample ids, or when the batch has none, ids unique over steps and
-        data-parallel ranks: ``(global_step * world + rank) * B + arange(B)`` (they address every random draw).
-    Raises:
-        ValueError: pixels that are not 5-D (names the shape).
-    """
-    pixels = batch["pixels"]
-    if pixels.ndim != 5:
-        raise ValueError(f"batch['pixels'] must be [B, T, C, H, W] in [0, 1], got {tuple(pixels.shape)}")
-    b = pixels.shape[0]
-    if "index" in batch:
-        index = batch["index"].cpu()
-    else:
-        rank, world = world_of(method)
-        step = int(getattr(trainer_of(method), "global_step", 0) or 0)
-        index = torch.arange(b) + (step * world + rank) * b
-    with torch.no_grad():
-        x0 = method.generator.encode(pixels).float()
-    return x0, list(batch["prompts"]), index
-
-
-def caption_dropout(prompts: list[str], probability: float, seed: int, index: torch.Tensor, stream: int,
-                    null_prompt: str = "") -> list[str]:
-    """Replace each prompt by ``null_prompt`` with ``probability`` (classifier-free guidance training, Ho & Salimans
-    2022), sample i's draw addressed by (``seed``, ``index[i]``, ``stream``): the same samples are dropped whatever
-    the batch composition or device count."""
-    if probability <= 0:
-        return list(prompts)
-    drop = rand_per_sample((), seed, index, stream=stream) < probability
-    return [null_prompt if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
-
-
 def default_latent_shape(generator, latent_shape=None) -> tuple[int, ...]:
     """``latent_shape``, else the generator's (a diffusers family), else the shapes world's DiT (8, 3, 16, 16)."""
     return tuple(latent_shape) if latent_shape else tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
@@ -378,9 +339,14 @@ def backward_step(method: LightningModule, optimizer, loss: torch.Tensor, role: 
     check_finite(loss, role, int(method.iteration), hint)
     optimizer.zero_grad()
     method.manual_backward(loss)
-    clip = method.hparams.get("max_grad_norm", 0.0)
-    if clip > 0:
-        method.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+    clip_and_step(method, optimizer, method.hparams.get("max_grad_norm", 0.0), counted)
+
+
+def clip_and_step(method: LightningModule, optimizer, max_grad_norm: float = 0.0, counted: bool = True) -> None:
+    """Clip the accumulated gradients of ``optimizer``'s parameters to norm ``max_grad_norm`` (when > 0) and step
+    it: as a trainer step (``counted``) or with :func:`step_uncounted` (a secondary network of the iteration)."""
+    if max_grad_norm > 0:
+        method.clip_gradients(optimizer, gradient_clip_val=max_grad_norm, gradient_clip_algorithm="norm")
     if counted:
         optimizer.step()
     else:

@@ -16,19 +16,21 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from genrl.flow import add_noise, x0_from_velocity
-from genrl.flow.dmd import sample_dmd_sigma
+from genrl.flow.dmd import gan_discriminator_loss, sample_dmd_sigma
 from genrl.flow.guidance import cfg_combine
 from genrl.flow.nft import advantage_to_r, bt_loss, centered_advantages, r1_penalty, r2_penalty
 from genrl.methods.common import build_student, gather_batch, rank_slice, trainer_of
 from genrl.models.compile import is_compiled
 from genrl.models.roles import swapped_transformer
 from genrl.models.text_encoder import Conditioning
+from genrl.models.trunk import trunk_adapter
 from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
 from genrl.rollout.autoregressive import ARResult, ChunkSchedule, ar_rollout, sample_exit_step
 
 __all__ = ["CAUSAL_INTERFACE", "ScoreRole", "causal_samples", "causal_videos", "chunk_noise_levels", "negative_cond",
            "configure_student", "discriminator_advantages", "discriminator_loss", "dmd_noised", "exit_step_of",
-           "paired_instance_noise", "real_x0", "student_rollout"]
+           "gan_critic_term", "gan_layers_for", "paired_instance_noise", "real_x0", "student_rollout",
+           "teacher_gan_logits"]
 
 #: what a causal student generator provides (genrl's DiT, the ``wan_causal`` family): the KV cache, one chunk's
 #: velocity against it, and the context pass that commits a finished chunk.
@@ -257,3 +259,43 @@ def chunk_noise_levels(schedule: ChunkSchedule, indices: torch.Tensor, seed: int
     if not per_chunk:
         return u.expand(len(indices), num_frames).contiguous()
     return u.repeat_interleave(torch.tensor([causal.chunk_len(k) for k in range(chunks)]), dim=1)
+
+
+# ---------------------------------------------------------------------------------------------- DMD2's GAN term
+def gan_layers_for(num_layers: int, layers: Sequence[int] | None = None) -> list[int]:
+    """The teacher block counts GAN heads tap: ``layers``, or ``[round(0.53 L), round(0.77 L), L]`` (Wan2.1-1.3B's
+    16 / 23 / 30 of 30, TMD's DMD2-v layers), deduplicated.
+
+    Raises:
+        ValueError: an entry outside 1 .. L (naming ``gan_layers``).
+    """
+    n = num_layers
+    out = list(layers) if layers else sorted({max(1, round(0.53 * n)), max(1, round(0.77 * n)), n})
+    if any(not 1 <= k <= n for k in out):
+        raise ValueError(f"gan_layers {out}: block counts of the teacher must be in 1 .. L = {n}")
+    return out
+
+
+def teacher_gan_logits(heads: nn.Module, generator: nn.Module, teacher: nn.Module, x_sigma: torch.Tensor,
+                       sigma: torch.Tensor, cond: Conditioning, layers: list[int]) -> torch.Tensor:
+    """GAN logits float32 [B] of noised latents ``x_sigma`` (generator layout) at ``sigma`` [B]: ``heads``
+    (:class:`~genrl.models.discriminator.FeatureGANHeads`) on the frozen ``teacher``'s features after ``layers``
+    blocks (:meth:`genrl.models.trunk.TrunkAdapter.features_at`, through ``generator``'s input handling).
+    Differentiable w.r.t. ``x_sigma`` and the heads when gradients are enabled (DMD2, Yin et al. 2024, section 4.3)."""
+    with swapped_transformer(generator, teacher) as gen:
+        feats = trunk_adapter(gen).features_at(x_sigma, sigma, cond, layers)
+    return heads(feats)
+
+
+def gan_critic_term(heads: nn.Module, generator: nn.Module, teacher: nn.Module, real: torch.Tensor,
+                    fake: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, layers: list[int]) -> dict:
+    """The heads' logistic loss (:func:`genrl.flow.gan_discriminator_loss`) on noised data ``real`` against noised
+    samples ``fake`` (both [B, *latent] at ``sigma`` [B]), the teacher's features computed without gradients (the
+    heads train on fixed features). Returns ``{"loss": scalar, "accuracy": fraction of real logits > 0 and fake
+    logits < 0, averaged}``."""
+    with torch.no_grad(), swapped_transformer(generator, teacher) as gen:
+        adapter = trunk_adapter(gen)
+        f_real, f_fake = (adapter.features_at(v, sigma, cond, layers) for v in (real, fake))
+    logit_real, logit_fake = heads(f_real), heads(f_fake)
+    return {"loss": gan_discriminator_loss(logit_real, logit_fake),
+            "accuracy": 0.5 * ((logit_real > 0).float().mean() + (logit_fake < 0).float().mean())}

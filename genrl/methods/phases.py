@@ -26,12 +26,22 @@ import torch
 from lightning.pytorch import LightningModule
 
 from genrl.flow.policy import group_advantages, group_stats
-from genrl.methods.common import Scorer, gather_batch, log_validation_rewards, rank_slice, step_uncounted, world_of
+from genrl.methods.common import (
+    Scorer,
+    clip_and_step,
+    gather_batch,
+    log_validation_rewards,
+    rank_slice,
+    trainer_of,
+    world_of,
+)
+from genrl.noise import rand_per_sample
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
-__all__ = ["Rollouts", "Scores", "collect_endpoints", "collect_flat", "collect_tree", "flat_validation",
-           "flat_validation_step", "group_advantages_of", "optimizer_steps", "reward_spread", "score"]
+__all__ = ["Rollouts", "Scores", "caption_dropout", "collect_endpoints", "collect_flat", "collect_tree",
+           "flat_validation", "flat_validation_step", "group_advantages_of", "optimizer_steps", "reward_spread",
+           "score", "video_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,12 +248,7 @@ def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
             weight += w
-        if max_grad_norm > 0:
-            module.clip_gradients(optimizer, gradient_clip_val=max_grad_norm, gradient_clip_algorithm="norm")
-        if counted:
-            optimizer.step()
-        else:
-            step_uncounted(module, optimizer)
+        clip_and_step(module, optimizer, max_grad_norm, counted)
     return _global_means(module, sums, weight)
 
 
@@ -257,3 +262,41 @@ def _global_means(module: LightningModule, sums: dict[str, float], weight: float
         packed = module.trainer.strategy.reduce(packed, reduce_op="sum").cpu()
         weight, sums = float(packed[0]), {k: float(v) for k, v in zip(keys, packed[1:], strict=True)}
     return {key: sums[key] / max(weight, 1) for key in keys}
+
+
+def video_batch(method: LightningModule, batch: dict) -> tuple[torch.Tensor, list[str], torch.Tensor]:
+    """A video datamodule's batch as data latents: ``(x0, prompts, index)``.
+
+    Args:
+        batch: ``{"pixels": float [B, T, C, H, W] in [0, 1], "prompts": B captions, "index": int64 [B] (optional)}``.
+    Returns:
+        x0: ``method.generator.encode(pixels)`` in float32, without gradients; prompts: the B captions; index: int64
+        [B] on the CPU, the batch's global sample ids, or when the batch has none, ids unique over steps and
+        data-parallel ranks: ``(global_step * world + rank) * B + arange(B)`` (they address every random draw).
+    Raises:
+        ValueError: pixels that are not 5-D (names the shape).
+    """
+    pixels = batch["pixels"]
+    if pixels.ndim != 5:
+        raise ValueError(f"batch['pixels'] must be [B, T, C, H, W] in [0, 1], got {tuple(pixels.shape)}")
+    b = pixels.shape[0]
+    if "index" in batch:
+        index = batch["index"].cpu()
+    else:
+        rank, world = world_of(method)
+        step = int(getattr(trainer_of(method), "global_step", 0) or 0)
+        index = torch.arange(b) + (step * world + rank) * b
+    with torch.no_grad():
+        x0 = method.generator.encode(pixels).float()
+    return x0, list(batch["prompts"]), index
+
+
+def caption_dropout(prompts: list[str], probability: float, seed: int, index: torch.Tensor, stream: int,
+                    null_prompt: str = "") -> list[str]:
+    """Replace each prompt by ``null_prompt`` with ``probability`` (classifier-free guidance training, Ho & Salimans
+    2022), sample i's draw addressed by (``seed``, ``index[i]``, ``stream``): the same samples are dropped whatever
+    the batch composition or device count."""
+    if probability <= 0:
+        return list(prompts)
+    drop = rand_per_sample((), seed, index, stream=stream) < probability
+    return [null_prompt if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]

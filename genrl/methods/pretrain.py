@@ -25,14 +25,13 @@ from genrl.flow import DIFFUSION_FORCING_MODES, TimestepSampler, add_noise, diff
 from genrl.methods.common import (
     Scorer,
     build_policy,
-    caption_dropout,
     linear_warmup,
     log_validation_rewards,
     policy_optimizer,
     policy_spec,
     trainer_of,
-    video_batch,
 )
+from genrl.methods.phases import caption_dropout, video_batch
 from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec

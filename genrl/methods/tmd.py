@@ -41,7 +41,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow import add_noise, cfg_combine, critic_loss, gan_discriminator_loss, gan_generator_loss
+from genrl.flow import add_noise, cfg_combine, critic_loss, gan_generator_loss
 from genrl.flow.tmd import (
     adaptive_loss,
     average_velocity,
@@ -57,15 +57,22 @@ from genrl.methods.common import (
     Scorer,
     backward_step,
     build_policy,
-    caption_dropout,
     linear_warmup,
     log_validation_rewards,
     policy_spec,
     role_optimizers,
     trainer_of,
-    video_batch,
 )
-from genrl.methods.distill import ScoreRole, dmd_noised, negative_cond, real_x0
+from genrl.methods.distill import (
+    ScoreRole,
+    dmd_noised,
+    gan_critic_term,
+    gan_layers_for,
+    negative_cond,
+    real_x0,
+    teacher_gan_logits,
+)
+from genrl.methods.phases import caption_dropout, video_batch
 from genrl.models.discriminator import FeatureGANHeads
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
@@ -311,18 +318,13 @@ class TMD(LightningModule):
         Raises:
             ValueError: an entry outside 1 .. L (naming the option).
         """
-        n = self.student.num_layers
-        layers = self.hparams.gan_layers or sorted({max(1, round(0.53 * n)), max(1, round(0.77 * n)), n})
-        if any(not 1 <= k <= n for k in layers):
-            raise ValueError(f"gan_layers {list(layers)}: block counts of the teacher must be in 1 .. L = {n}")
-        return list(layers)
+        return gan_layers_for(self.student.num_layers, self.hparams.gan_layers)
 
     def gan_logits(self, x_sigma: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """GAN logits [B] (float32) of noised latents ``x_sigma`` at ``sigma`` [B]: the heads on the frozen teacher's
         features at :attr:`gan_layers` (differentiable w.r.t. ``x_sigma`` and the heads)."""
-        with swapped_transformer(self.generator, self.roles.get("teacher")) as gen:
-            feats = trunk_adapter(gen).features_at(x_sigma, sigma, cond, self.gan_layers)
-        return self.gan_heads(feats)
+        return teacher_gan_logits(self.gan_heads, self.generator, self.roles.get("teacher"), x_sigma, sigma, cond,
+                                  self.gan_layers)
 
     def _teacher(self) -> ScoreRole:
         return ScoreRole(self.generator, self.roles.get("teacher"))
@@ -423,15 +425,9 @@ class TMD(LightningModule):
                 raise ValueError("the GAN heads need the batch's data latents x0 (the real samples)")
             eps_real = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_GAN_REAL, device=x0.device)
             real = add_noise(x0.float(), eps_real, sigma, frame_dim=self.frame_dim)
-            with torch.no_grad():  # the heads train on fixed teacher features
-                with swapped_transformer(self.generator, self.roles.get("teacher")) as gen:
-                    adapter = trunk_adapter(gen)
-                    f_real = adapter.features_at(real, sigma, cond, self.gan_layers)
-                    f_fake = adapter.features_at(x_sigma, sigma, cond, self.gan_layers)
-            logit_real, logit_fake = self.gan_heads(f_real), self.gan_heads(f_fake)
-            out["gan"] = gan_discriminator_loss(logit_real, logit_fake)
-            out["gan_accuracy"] = 0.5 * ((logit_real > 0).float().mean() + (logit_fake < 0).float().mean())
-            out["loss"] = out["loss"] + out["gan"]
+            gan = gan_critic_term(self.gan_heads, self.generator, self.roles.get("teacher"), real, x_sigma, sigma,
+                                  cond, self.gan_layers)
+            out.update(gan=gan["loss"], gan_accuracy=gan["accuracy"], loss=out["loss"] + gan["loss"])
         return out
 
     # ------------------------------------------------------------------ training
