@@ -45,6 +45,7 @@ from dfot_shapes import RULES as SHORT_RULES  # noqa: E402 (benchmarks/ is on th
 RULES: dict[str, dict] = {
     **{name: SHORT_RULES[name] for name in ("conditional", "vanilla_w3", "vanilla_w6")},
     "stabilized_vanilla_w3": {**SHORT_RULES["vanilla_w3"], "stabilization": 0.02},
+    "stabilized_conditional_0.05": {**SHORT_RULES["conditional"], "stabilization": 0.05},
     "fractional_w3_k0.4": SHORT_RULES["fractional_w3_k0.4"],
 }
 WINDOW = 8
@@ -110,6 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, default=400, help="fine-tune steps per seed")
+    p.add_argument("--mode", default="independent", choices=["independent", "history"],
+                   help="diffusion_forcing of the fine-tune: an i.i.d. level per temporal patch, or a random history "
+                        "prefix with i.i.d. levels and one shared level after it")
+    p.add_argument("--history-frames", type=int, default=None,
+                   help="--mode history: the longest history prefix (frames; default the pretrain's, 0 .. T - 2)")
+    p.add_argument("--history-sigma-max", type=float, default=None,
+                   help="--mode history: scale the history prefix's levels into [0, this] (clean or lightly noised)")
     p.add_argument("--models", nargs="*", default=None, help="name=export folder: skip training, use these")
     p.add_argument("--no-base", action="store_true", help="leave the base model out")
     p.add_argument("--prompts", type=int, default=32, help="held-out single-step captions")
@@ -141,11 +149,25 @@ def main(argv: list[str] | None = None) -> dict:
         models.update(dict(m.split("=", 1) for m in args.models))
     else:
         report["train_wall_s"] = {}
+        extra, tag = (), ""
+        if args.history_frames is not None:
+            if args.mode != "history":
+                p.error(f"--history-frames {args.history_frames} needs --mode history (got --mode {args.mode})")
+            extra, tag = (f"--model.init_args.history_frames={args.history_frames}",), f"_h{args.history_frames}"
+        if args.history_sigma_max is not None:
+            if args.mode != "history":
+                p.error(f"--history-sigma-max {args.history_sigma_max} needs --mode history (got --mode {args.mode})")
+            extra += (f"--model.init_args.history_sigma_max={args.history_sigma_max}",)
+            tag += f"_hmax{args.history_sigma_max:g}"
+        if args.steps != 400:
+            tag += f"_{args.steps}steps"
+        name = "dfot_wrap" if args.mode == "independent" else f"dfot_wrap_history{tag}"
         for seed in args.seeds:
-            folder, wall = train(seed, args.steps, "independent", Path(args.root), ("configs/dfot/shapes_wrap.yaml",))
-            models[f"dfot_wrap_s{seed}"] = folder
-            report["train_wall_s"][f"dfot_wrap_s{seed}"] = wall
-            print(json.dumps({"trained": f"dfot_wrap_s{seed}", "wall_s": wall}), flush=True)
+            folder, wall = train(seed, args.steps, args.mode, Path(args.root), ("configs/dfot/shapes_wrap.yaml",),
+                                 extra, tag)
+            models[f"{name}_s{seed}"] = folder
+            report["train_wall_s"][f"{name}_s{seed}"] = wall
+            print(json.dumps({"trained": f"{name}_s{seed}", "wall_s": wall}), flush=True)
 
     world = ShapesWorldConfig(boundary="wrap", multi_step_prob=0.0)
     verifier = ShapesVerifier(world=world)

@@ -47,9 +47,11 @@ RULES: dict[str, dict] = {
 FROZEN_PX_PER_FRAME = 0.25
 
 
-def train(seed: int, steps: int, mode: str, root: Path, overlays: tuple[str, ...] = ()) -> tuple[str, float]:
+def train(seed: int, steps: int, mode: str, root: Path, overlays: tuple[str, ...] = (),
+          extra: tuple[str, ...] = (), tag: str = "") -> tuple[str, float]:
     """One diffusion-forcing fine-tune in its own folder (``overlays``: configs layered over
-    configs/dfot/shapes.yaml, relative to the repository); returns (its EMA export, wall seconds)."""
+    configs/dfot/shapes.yaml, relative to the repository; ``extra``: further ``genrl fit`` flags; ``tag``: appended
+    to the folder's name); returns (its EMA export, wall seconds)."""
     from fit_runs import fit_in
 
     layered = [a for o in overlays for a in ("--config", str(ROOT / o))]
@@ -57,8 +59,8 @@ def train(seed: int, steps: int, mode: str, root: Path, overlays: tuple[str, ...
             f"--model.init_args.generator.pretrained={ROOT / 'assets/shapes-dit'}", f"--seed_everything={seed}",
             f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}", f"--trainer.max_steps={steps}",
             f"--model.init_args.diffusion_forcing={mode}", "--trainer.limit_val_batches=0",
-            "--trainer.enable_progress_bar=false", "--trainer.logger=false"]
-    tag = "".join(f"_{Path(o).stem}" for o in overlays)
+            "--trainer.enable_progress_bar=false", "--trainer.logger=false", *extra]
+    tag = "".join(f"_{Path(o).stem}" for o in overlays) + tag
     return fit_in(root / f"{mode}{tag}_s{seed}", args)
 
 

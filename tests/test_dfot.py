@@ -62,11 +62,48 @@ def test_history_mode_draws_a_prefix_of_independent_levels_and_one_shared_future
     assert 0.0 < float(sig.min()) and float(sig.max()) < 1.0
 
 
+def test_history_sigma_max_scales_only_the_history_prefix():
+    """``history_sigma_max`` m: from the same draws, the history groups' levels are m times the unscaled ones (so in
+    [0, m]), the shared future level is untouched, 0 gives a clean history; the default 1.0 is bitwise the unscaled
+    rule."""
+    from genrl.flow import TimestepSampler, diffusion_forcing_sigmas
+
+    def draw(**kw):
+        return diffusion_forcing_sigmas(64, 8, generator=torch.Generator().manual_seed(3), mode="history",
+                                        frame_group=2, sampler=TimestepSampler(), **kw)
+
+    plain, scaled, clean = draw(), draw(history_sigma_max=0.1), draw(history_sigma_max=0.0)
+    assert torch.equal(draw(history_sigma_max=1.0), plain)
+    groups = plain[:, 0::2]
+    # history length in groups: the first group from which every later group equals the last
+    h = torch.tensor([next(k for k in range(4) if bool((row[k:] == row[3]).all())) for row in groups])
+    prefix = (torch.arange(4)[None] < h[:, None]).repeat_interleave(2, dim=1)  # [64, 8]
+    assert 0 < int(prefix.sum()) < prefix.numel()
+    assert torch.equal(scaled[~prefix], plain[~prefix]) and torch.equal(clean[~prefix], plain[~prefix])
+    assert torch.equal(scaled[prefix], plain[prefix] * 0.1) and float(scaled[prefix].max()) <= 0.1
+    assert torch.equal(clean[prefix], torch.zeros_like(clean[prefix]))
+    model = _model(seed=1, diffusion_forcing="history", history_sigma_max=0.05)
+    ref = _model(seed=1, diffusion_forcing="history")
+    got, want = model._sample_sigma(torch.arange(40), 8), ref._sample_sigma(torch.arange(40), 8)
+    assert not torch.equal(got, want) and torch.equal(got[:, -1], want[:, -1])  # the future is never a prefix
+    assert torch.allclose(got[got != want] / want[got != want], torch.tensor(0.05))
+
+
 def test_diffusion_forcing_arguments_are_checked():
     with pytest.raises(ValueError, match="diffusion_forcing must be true / false or one of"):
         FlowMatchingPretrain(diffusion_forcing="per_frame")
     with pytest.raises(ValueError, match=r"history_frames=4 applies to diffusion_forcing: history only"):
         FlowMatchingPretrain(diffusion_forcing="independent", history_frames=4)
+    with pytest.raises(ValueError, match=r"history_sigma_max=0.1 applies to diffusion_forcing: history only"):
+        FlowMatchingPretrain(diffusion_forcing="independent", history_sigma_max=0.1)
+    with pytest.raises(ValueError, match=r"history_sigma_max must be in \[0, 1\].*1.5"):
+        FlowMatchingPretrain(diffusion_forcing="history", history_sigma_max=1.5)
+    from genrl.flow import diffusion_forcing_sigmas
+
+    with pytest.raises(ValueError, match="history_sigma_max applies to mode='history' only"):
+        diffusion_forcing_sigmas(1, 8, generator=torch.Generator(), history_sigma_max=0.5)
+    with pytest.raises(ValueError, match=r"history_sigma_max must be in \[0, 1\].*-0.1"):
+        diffusion_forcing_sigmas(1, 8, generator=torch.Generator(), mode="history", history_sigma_max=-0.1)
     model = _model(diffusion_forcing="history", history_frames=3)  # not a multiple of the temporal patch 2
     with pytest.raises(ValueError, match="multiple of frame_group = 2"):
         model._sample_sigma(torch.arange(2), 8)

@@ -258,6 +258,7 @@ def diffusion_forcing_sigmas(
     history: int | Sequence[int] | None = None,
     frame_group: int = 1,
     sampler: TimestepSampler | Callable[..., torch.Tensor] | None = None,
+    history_sigma_max: float = 1.0,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
@@ -272,7 +273,11 @@ def diffusion_forcing_sigmas(
     - ``mode="history"``: per sample, a history length h (in frames) is drawn uniformly from the allowed set;
       the groups of the first h frames get i.i.d. sigmas and all later frames share one sigma (DFoT App. A.5, the
       history-conditioned "uniform future" variant: a noisy-to-clean history prefix and a future denoised as one
-      block). h = 0 is plain full-sequence diffusion. Every frame's marginal is still the sampler's.
+      block). h = 0 is plain full-sequence diffusion. Every frame's marginal is still the sampler's, unless
+      ``history_sigma_max`` < 1: then each history group's level is its draw times ``history_sigma_max``, so the
+      history is clean or lightly noised (the issue's "random prefix of clean or lightly noised frames"; at
+      sampling, clean history sits at sigma 0 and generated history at the stabilization level, both inside
+      [0, history_sigma_max] when that is chosen at or above the stabilization level).
 
     Draws, all from ``generator`` (so the output is a function of its state, and a given state gives the same
     values for any ``device``): for ``mode="history"`` first ``torch.randint(len(allowed), (B,))`` (the index of
@@ -304,7 +309,8 @@ def diffusion_forcing_sigmas(
         ValueError: ``batch < 1``, ``num_frames < 1``, ``frame_group < 1`` or T not divisible by g; an unknown
             ``mode``; ``history`` given with ``mode="independent"``, or an allowed length that is not a multiple of
             g, outside [0, T - g], or repeated; a sampler that is not callable or returns the wrong shape;
-            ``dtype`` not floating. The message names the value.
+            ``dtype`` not floating; ``history_sigma_max`` outside [0, 1], or not 1.0 with ``mode="independent"``.
+            The message names the value.
         TypeError: ``generator`` is not a ``torch.Generator`` (e.g. None).
 
     Source: Chen et al. 2024, "Diffusion Forcing", arXiv 2407.01392, Algorithm 1 (independent per-token noise
@@ -332,6 +338,14 @@ def diffusion_forcing_sigmas(
         raise ValueError(f"sampler must be a TimestepSampler or a callable (shape, generator), got {sampler!r}")
     if mode == "independent" and history is not None:
         raise ValueError(f"history applies to mode='history' only; got history={history!r} with mode='independent'")
+    hmax = float(history_sigma_max)
+    if not 0.0 <= hmax <= 1.0:
+        raise ValueError(f"history_sigma_max must be in [0, 1] (a noise level), got {history_sigma_max!r}")
+    if mode == "independent" and hmax != 1.0:
+        raise ValueError(
+            f"history_sigma_max applies to mode='history' only; got history_sigma_max={history_sigma_max!r} with "
+            f"mode='independent'"
+        )
     n_groups = t_frames // g
 
     if mode == "history":
@@ -346,5 +360,7 @@ def diffusion_forcing_sigmas(
         k = torch.arange(n_groups, device=sig.device).unsqueeze(0)  # [1, N]
         start = start.to(sig.device).unsqueeze(1)  # [B, 1]
         sig = torch.gather(sig, 1, torch.minimum(k, start).expand(b, n_groups))
+        if hmax != 1.0:
+            sig = torch.where(k < start, sig * hmax, sig)
     out = sig.repeat_interleave(g, dim=1)  # [B, T]
     return out.to(device=device if device is not None else out.device, dtype=dtype)

@@ -72,6 +72,10 @@ class FlowMatchingPretrain(LightningModule):
         history_frames: ``diffusion_forcing="history"`` only: the allowed history lengths in (latent) frames, each
             a multiple of the temporal patch: an int (the largest; 0, p, ..., history_frames), a list, or None
             (0 .. T - p). See `genrl.flow.diffusion_forcing_sigmas`.
+        history_sigma_max: ``diffusion_forcing="history"`` only: the history prefix's levels are the marginal's
+            draws scaled into [0, history_sigma_max] (a float in [0, 1]; default 1.0, unscaled): a clean or lightly
+            noised history, as sampling gives it (clean history at 0, generated history at the stabilization
+            level); 0.0 = always clean.
         lora: a LoRA adapter (`genrl.models.lora.LoraSpec` fields) to train instead of the full transformer
             (fine-tuning a large model, e.g. Wan2.1-1.3B, into a diffusion-forcing model).
         attention: ``"bidirectional"`` or ``"block_causal"`` (needs ``causal_chunk_size`` in the transformer).
@@ -91,6 +95,7 @@ class FlowMatchingPretrain(LightningModule):
         caption_dropout: float = 0.1,
         diffusion_forcing: bool | Literal["none", "independent", "history"] = False,
         history_frames: int | list[int] | None = None,
+        history_sigma_max: float = 1.0,
         lora: LoraSpec | None = None,
         attention: Literal["bidirectional", "block_causal"] = "bidirectional",
         seed: int = 0,
@@ -114,6 +119,13 @@ class FlowMatchingPretrain(LightningModule):
             raise ValueError(
                 f"history_frames={history_frames!r} applies to diffusion_forcing: history only (got "
                 f"diffusion_forcing={diffusion_forcing!r}); set diffusion_forcing: history or drop history_frames"
+            )
+        if not 0.0 <= float(history_sigma_max) <= 1.0:
+            raise ValueError(f"history_sigma_max must be in [0, 1] (a noise level), got {history_sigma_max!r}")
+        if float(history_sigma_max) != 1.0 and self.df_mode != "history":
+            raise ValueError(
+                f"history_sigma_max={history_sigma_max!r} applies to diffusion_forcing: history only (got "
+                f"diffusion_forcing={diffusion_forcing!r}); set diffusion_forcing: history or drop history_sigma_max"
             )
         self.save_hyperparameters(ignore=["optimizer"])
         self.generator_spec = policy_spec(self, generator, default=GeneratorSpec(components={"transformer": {}}))
@@ -152,10 +164,11 @@ class FlowMatchingPretrain(LightningModule):
         cfg = getattr(self.generator.transformer, "config", None)
         pt = int(cfg.patch_size[0]) if cfg is not None and hasattr(cfg, "patch_size") else 1
         history = self.hparams.history_frames if self.df_mode == "history" else None
+        hmax = float(self.hparams.get("history_sigma_max", 1.0)) if self.df_mode == "history" else 1.0
         return torch.cat([
             diffusion_forcing_sigmas(1, frames, generator=sample_generator(seed, int(i), 0, _STREAM_SIGMA),
                                      mode=self.df_mode, history=history, frame_group=pt,
-                                     sampler=self.timestep_sampler)
+                                     sampler=self.timestep_sampler, history_sigma_max=hmax)
             for i in indices
         ])
 
