@@ -72,6 +72,33 @@ def long_rollouts(gen, prompts, real, k, rule, steps, context, batch):
     return torch.cat(out), calls, round(time.perf_counter() - t0, 1)
 
 
+@torch.no_grad()
+def teacher_forced_errors(gen, verifier, prompts, real, k, rule, steps, batch) -> list[float]:
+    """One window at a time from *real* history: for each offset s = 0, 4, 8, ... the model sees real frames
+    s..s+k-1 and generates the rest of an 8-frame window; returns the mean centroid error (px, on the torus) of the
+    generated frames against the real ones at each offset. The world is stationary, so this is the error one
+    window adds when its history is right; the long rollout compounds it."""
+    from genrl.data.shapes import position_error
+    from genrl.flow import HistoryGuidance
+    from genrl.rollout import RolloutConfig
+    from genrl.rollout.history import history_rollout
+
+    config = RolloutConfig(num_steps=steps, kernel="ode", cfg_scale=1.0, micro_batch_size=batch)
+    errors = []
+    for s in range(0, real.shape[1] - WINDOW + 1, WINDOW - k):
+        err = []
+        for b in range(0, len(prompts), batch):
+            res = history_rollout(gen, prompts[b:b + batch], real.shape[2:], WINDOW, 0,
+                                  history=gen.encode(real[b:b + batch, s:s + k]), guidance=HistoryGuidance(**rule),
+                                  config=config, window=WINDOW, indices=range(b, b + len(prompts[b:b + batch])))
+            g = verifier.measure(gen.decode(res.video).clamp(0, 1).cpu()[:, k:])
+            r = verifier.measure(real[b:b + batch, s + k:s + WINDOW])
+            both = g["nonempty"] & r["nonempty"]
+            err.append(position_error(g["centroid"], r["centroid"], verifier.world)[both])
+        errors.append(round(float(torch.cat(err).mean()), 4))
+    return errors
+
+
 def window_metrics(verifier, videos, real, prompts) -> dict[str, list[float]]:
     """Per disjoint 8-frame window: mean reward / all-correct / direction / speed / consistency, centroid error
     (px, on the torus), mass ratio (generated / real foreground mass) and frozen fraction among moving captions."""
@@ -129,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--base-rules", nargs="*", default=["conditional"], choices=list(RULES),
                    help="the rules the base model is run with (it has no diffusion forcing: one is enough)")
     p.add_argument("--batch", type=int, default=32, help="prompts per call (padded to it: keep it <= --prompts)")
+    p.add_argument("--teacher-forced", action="store_true",
+                   help="also the per-window error from real history at every offset (conditional rule)")
     p.add_argument("--root", default="/tmp/dfot_long")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -179,6 +208,11 @@ def main(argv: list[str] | None = None) -> dict:
     report["runs"] = {}
     for name, path in models.items():
         gen = ads._load(path)
+        if args.teacher_forced:
+            tf = teacher_forced_errors(gen, verifier, prompts, real, args.history, RULES["conditional"],
+                                       args.steps_per_window, args.batch)
+            report.setdefault("teacher_forced_error_px", {})[name] = tf
+            print(json.dumps({"teacher_forced": name, "error_px": tf}), flush=True)
         for rule in (args.base_rules if name == "base" else args.rules):
             videos, calls, wall = long_rollouts(gen, prompts, real, args.history, RULES[rule],
                                                 args.steps_per_window, args.context, args.batch)
