@@ -262,5 +262,6 @@ def test_wrap_fine_tune_config_composes_over_the_dfot_shapes_config(tmp_path, mo
                          str(root / "configs/dfot/shapes_wrap.yaml"), "--trainer.accelerator=cpu"], run=False)
     assert cli.datamodule.world == ShapesWorldConfig(boundary="wrap", multi_step_prob=0.0)
     assert cli.model.df_mode == "independent" and cli.trainer.default_root_dir.endswith("runs/dfot_shapes_wrap")
+    assert cli.trainer.max_steps == 1200  # the wrapping world needs 3x the inside world's 400 steps
     dirs = [getattr(cb, "dirpath", None) for cb in cli.trainer.callbacks]
     assert all(d is None or "dfot_shapes_wrap" in str(d) for d in dirs) and any(d is not None for d in dirs)
