@@ -44,8 +44,11 @@ _STREAM_RENDER = 99
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=Formatter)
     p.add_argument("--model", required=True, help="a genrl DiT folder (e.g. a diffusion-forcing run's export/) or "
                                                    "a genrl fit checkpoint")
     p.add_argument("--text-encoder", default=None, help="local text-encoder folder or 'minilm' (default: recorded)")
@@ -55,13 +58,15 @@ def _parser() -> argparse.ArgumentParser:
                         "rendered from captions of that split)")
     p.add_argument("--prompt", action="append", default=[], help="one prompt for all videos, or one per video")
     p.add_argument("--world", choices=["inside", "wrap"], default="wrap",
-                   help="shapes:* only: the world's boundary (wrap: a torus frame, any video length)")
+                   help="shapes:* only: the world's boundary (wrap, the default: a torus frame, any video length; "
+                        "inside: the training world, at most --window frames of real video)")
     p.add_argument("--limit", type=int, default=8, help="shapes:* only: number of videos")
     p.add_argument("--history-frames", type=int, default=4, help="known frames taken from each video")
     p.add_argument("--num-frames", type=int, default=16, help="frames of each output video, history included")
     p.add_argument("--window", type=int, default=8, help="frames the model sees at once (its training length)")
     p.add_argument("--context", type=int, default=None, help="history frames of every later window (default window/2)")
-    p.add_argument("--rule", choices=["conditional", "vanilla", "fractional"], default="fractional")
+    p.add_argument("--rule", choices=["conditional", "vanilla", "fractional"], default="fractional",
+                   help="history guidance rule: conditional (1 call per step + text CFG), vanilla (2), fractional (3)")
     p.add_argument("--scale", type=float, default=3.0, help="w of vanilla / fractional guidance (1 = conditional)")
     p.add_argument("--fractional-sigma", type=float, default=0.4, help="fractional: the history's level k_H")
     p.add_argument("--stabilization", type=float, default=0.0, help="level of generated history frames (DFoT 0.02)")
@@ -104,7 +109,8 @@ def _mp4s(entries: list[str]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"--history {e!r} is neither an mp4 file, a folder of them nor shapes:<split>")
+            raise FileNotFoundError(f"--history {e!r} does not exist; give an mp4 file, a folder of them, or "
+                                    f"shapes:heldout / shapes:train")
     return files
 
 
@@ -140,9 +146,9 @@ def history_videos(args: argparse.Namespace) -> tuple[list[str], torch.Tensor, l
         pixels = torch.stack([render(parse_caption(p, world), world, sample_generator(args.seed, i, 0, _STREAM_RENDER))
                               for i, p in enumerate(prompts)])[:, :k]
         return prompts, pixels, [f"{shapes[0]}:{args.world}"] * len(prompts)
+    files = _mp4s(args.history)  # paths checked before the video reader's import
     from genrl.data.video_io import read_video
 
-    files = _mp4s(args.history)
     if len(args.prompt) == 1:
         prompts = args.prompt * len(files)
     elif len(args.prompt) == len(files):

@@ -130,7 +130,7 @@ def test_mp4_history_with_sidecar_captions_or_prompts(tmp_path, written, monkeyp
     (["--history", "shapes:heldout", "--history-frames", "8"], SystemExit, None),
     (["--history", "shapes:heldout", "--num-frames", "4"], SystemExit, None),
     (["--history", "shapes:valid"], ValueError, "use shapes:heldout or shapes:train"),
-    (["--history", "/no/such.mp4"], FileNotFoundError, "neither an mp4 file"),
+    (["--history", "/no/such.mp4"], FileNotFoundError, "does not exist"),
     (["--history", "shapes:heldout", "--history", "x.mp4"], ValueError, "give it alone"),
     (["--history", "shapes:heldout", "--rule", "vanilla", "--scale", "-1"], ValueError, "scale must be"),
     ([], ValueError, "give --history"),
