@@ -53,9 +53,18 @@ FROZEN_PX_PER_FRAME = 0.25
 
 
 @torch.no_grad()
-def long_rollouts(gen, prompts, real, k, rule, steps, context, batch):
-    """Frames k.. of every video after its first k real frames, sliding an 8-frame window; returns (decoded videos
-    float32 [N, T, 3, H, W] in [0, 1], network calls per generated frame, wall seconds)."""
+def keyframe_positions(every: int, history: int, frames: int) -> list[int]:
+    """Real keyframes every ``every`` frames, as aligned pairs ending there (frames 16k-2 and 16k-1 for 16), after
+    the history; [] for ``every`` 0."""
+    if not every:
+        return []
+    return [p for end in range(every, frames + 1, every) for p in (end - 2, end - 1) if p >= history]
+
+
+def long_rollouts(gen, prompts, real, k, rule, steps, context, batch, keys=()):
+    """Frames k.. of every video after its first k real frames, sliding an 8-frame window (``keys``: frame indices
+    where the real frame is given as a keyframe); returns (decoded videos float32 [N, T, 3, H, W] in [0, 1], network
+    calls per generated frame, wall seconds)."""
     from genrl.flow import HistoryGuidance
     from genrl.rollout import RolloutConfig
     from genrl.rollout.history import history_rollout
@@ -64,9 +73,10 @@ def long_rollouts(gen, prompts, real, k, rule, steps, context, batch):
     out, calls, t0 = [], 0.0, time.perf_counter()
     for s in range(0, len(prompts), batch):
         chunk = prompts[s:s + batch]
+        kf = gen.encode(real[s:s + batch, list(keys)]) if keys else None
         res = history_rollout(gen, chunk, real.shape[2:], real.shape[1], 0, history=gen.encode(real[s:s + batch, :k]),
                               guidance=HistoryGuidance(**rule), config=config, window=WINDOW, context=context,
-                              indices=range(s, s + len(chunk)))
+                              indices=range(s, s + len(chunk)), keyframes=kf, keyframe_positions=list(keys) or None)
         out.append(gen.decode(res.video).clamp(0, 1).cpu())
         calls = res.calls_per_frame
     return torch.cat(out), calls, round(time.perf_counter() - t0, 1)
@@ -99,9 +109,10 @@ def teacher_forced_errors(gen, verifier, prompts, real, k, rule, steps, batch) -
     return errors
 
 
-def window_metrics(verifier, videos, real, prompts) -> dict[str, list[float]]:
+def window_metrics(verifier, videos, real, prompts, keys=()) -> dict[str, list[float]]:
     """Per disjoint 8-frame window: mean reward / all-correct / direction / speed / consistency, centroid error
-    (px, on the torus), mass ratio (generated / real foreground mass) and frozen fraction among moving captions."""
+    (px, on the torus; over the frames not in ``keys``, the given keyframes), mass ratio (generated / real
+    foreground mass) and frozen fraction among moving captions."""
 
     from genrl.data.shapes import parse_caption, position_error
     from genrl.rewards.shapes import score_windows, track_velocity
@@ -116,6 +127,7 @@ def window_metrics(verifier, videos, real, prompts) -> dict[str, list[float]]:
     for s in range(0, videos.shape[1] - WINDOW + 1, WINDOW):
         g, r = verifier.measure(videos[:, s:s + WINDOW]), verifier.measure(real[:, s:s + WINDOW])
         both = g["nonempty"] & r["nonempty"]
+        both[:, [p - s for p in keys if s <= p < s + WINDOW]] = False
         e = position_error(g["centroid"], r["centroid"], verifier.world)
         err.append(float(e[both].mean()) if both.any() else float("nan"))
         mass.append(float(g["mass"].sum() / r["mass"].sum().clamp(min=1e-8)))
@@ -156,6 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--base-rules", nargs="*", default=["conditional"], choices=list(RULES),
                    help="the rules the base model is run with (it has no diffusion forcing: one is enough)")
     p.add_argument("--batch", type=int, default=32, help="prompts per call (padded to it: keep it <= --prompts)")
+    p.add_argument("--keyframe-every", type=int, default=0,
+                   help="give the real frames 16k-2, 16k-1 (for 16) as keyframes: the rollout interpolates towards "
+                        "them (0: none)")
     p.add_argument("--teacher-forced", action="store_true",
                    help="also the per-window error from real history at every offset (conditional rule)")
     p.add_argument("--root", default="/tmp/dfot_long")
@@ -203,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = shapes_prompts(world, "heldout", args.prompts, seed=0, multi_step=False)
     real = ads.real_videos(dataclasses.replace(world, num_frames=args.frames), prompts, seed=4000)
     report["real"] = window_metrics(verifier, real, real, prompts)
+    keys = keyframe_positions(args.keyframe_every, args.history, args.frames)
+    report["keyframes"] = keys
     n = args.frames // WINDOW
     spans = {"windows_1_3": range(1, min(4, n)), "windows_4_7": range(4, n), "last_window": range(n - 1, n)}
     report["runs"] = {}
@@ -215,8 +232,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps({"teacher_forced": name, "error_px": tf}), flush=True)
         for rule in (args.base_rules if name == "base" else args.rules):
             videos, calls, wall = long_rollouts(gen, prompts, real, args.history, RULES[rule],
-                                                args.steps_per_window, args.context, args.batch)
-            per_window = window_metrics(verifier, videos, real, prompts)
+                                                args.steps_per_window, args.context, args.batch, keys)
+            per_window = window_metrics(verifier, videos, real, prompts, keys)
             entry = {"per_window": per_window, "calls_per_frame": calls, "seconds": wall,
                      **{span: summary(per_window, r) for span, r in spans.items()}}
             report["runs"][f"{name}|{rule}"] = entry

@@ -12,6 +12,9 @@ Examples::
     # history, 32 frames out (4x the window) under fractional history guidance (w 3, k_H 0.4)
     python pipelines/continue_video.py --model runs/dfot_shapes_wrap/export --history shapes:heldout --world wrap \
         --limit 8 --history-frames 4 --num-frames 32 --rule fractional --out outputs/continued
+    # 64 frames with the real frames 30-31 and 62-63 given as keyframes: the rollout steers towards them
+    python pipelines/continue_video.py --model runs/dfot_shapes_wrap/export --history shapes:heldout --num-frames 64 \
+        --keyframes 30 31 62 63 --out outputs/keyframed
     # your own clips (16x16 for the shapes model), one prompt for all of them (or one --prompt per clip, or a
     # sidecar caption clip.txt next to clip.mp4)
     python pipelines/continue_video.py --model runs/dfot_shapes/export --history clip1.mp4 --history clip2.mp4 \
@@ -22,6 +25,10 @@ Rules (``--rule``; `genrl.flow.HistoryGuidance`): ``conditional`` (one call per 
 also the text CFG scale) and ``fractional`` (HG-f: 3 calls, the history also seen at ``--fractional-sigma``); the
 best rule on the shapes world was fractional w 3, k_H 0.4 (benchmarks/RESULTS.md, "DFoT"). ``--stabilization``
 shows generated history frames at that noise level (DFoT: 0.02).
+
+``--keyframes`` takes frames of each history video (which must then be that long) at those indices and gives them to
+the rollout as known frames at the same place in the output: the window they fall into generates the frames up to
+and between them. The shapes DiT has a temporal patch of 2 frames: give whole patches (frames 2j and 2j + 1).
 
 Sample i (history video i) has its noise addressed by (``--seed``, i), so it does not depend on its batch. Files:
 ``{i:05d}.mp4`` (history and generated frames) and ``manifest.jsonl`` (prompt, source, rule, calls per generated
@@ -63,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=8, help="shapes:* only: number of videos")
     p.add_argument("--history-frames", type=int, default=4, help="known frames taken from each video")
     p.add_argument("--num-frames", type=int, default=16, help="frames of each output video, history included")
+    p.add_argument("--keyframes", type=int, nargs="+", default=[],
+                   help="frame indices of each history video given as known frames at the same place in the output "
+                        "(after --history-frames, before --num-frames; whole temporal patches)")
     p.add_argument("--window", type=int, default=8, help="frames the model sees at once (its training length)")
     p.add_argument("--context", type=int, default=None, help="history frames of every later window (default window/2)")
     p.add_argument("--rule", choices=["conditional", "vanilla", "fractional"], default="fractional",
@@ -115,7 +125,8 @@ def _mp4s(entries: list[str]) -> list[Path]:
 
 
 def history_videos(args: argparse.Namespace) -> tuple[list[str], torch.Tensor, list[str]]:
-    """(prompts, pixels float32 [B, history_frames, 3, H, W] in [0, 1], source of each) from the flags.
+    """(prompts, pixels float32 [B, F, 3, H, W] in [0, 1], source of each) from the flags: F = --history-frames, or
+    up to the last --keyframes index when there are keyframes.
 
     Raises:
         ValueError: no --history, shapes:* mixed with files, an unknown split, prompts that do not match the videos.
@@ -123,7 +134,7 @@ def history_videos(args: argparse.Namespace) -> tuple[list[str], torch.Tensor, l
     """
     if not args.history:
         raise ValueError("give --history: mp4 files, a folder of them, or shapes:heldout / shapes:train")
-    k = args.history_frames
+    k = max([args.history_frames, *(i + 1 for i in args.keyframes)])
     shapes = [h for h in args.history if h.startswith("shapes:")]
     if shapes:
         if len(args.history) != 1:
@@ -175,6 +186,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--context {context} must be in [1, --window - 1 = {args.window - 1}]")
     if args.batch_size < 1 or args.steps < 1:
         parser.error("--batch-size and --steps must be >= 1")
+    keys = sorted(set(args.keyframes))
+    if len(keys) != len(args.keyframes) or any(not args.history_frames <= i < args.num_frames for i in keys):
+        parser.error(f"--keyframes {args.keyframes}: give distinct frame indices in [--history-frames, --num-frames) = "
+                     f"[{args.history_frames}, {args.num_frames})")
     guidance = guidance_from_args(args)  # checks the rule's numbers before anything loads
     prompts, pixels, sources = history_videos(args)
 
@@ -192,6 +207,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          f"For a diffusers family call genrl.rollout.history_rollout on its latents "
                          f"(docs/methods/history_guidance.md)")
     gen.to(device).eval()
+    pt = int(gen.transformer.config.patch_size[0])
+    loose = [i for i in keys if any(i - i % pt + j not in keys for j in range(pt))]
+    if loose:
+        whole = " ".join(str(loose[0] - loose[0] % pt + j) for j in range(pt))
+        raise ValueError(f"--keyframes {keys}: the model's temporal patch is {pt} frames, so keyframes come in whole "
+                         f"patches (frames {pt}j .. {pt}j + {pt - 1}; for {loose[0]}: {whole})")
     frame_shape = (gen.codec.latent_channels, args.height, args.width)
     config = RolloutConfig(num_steps=args.steps, kernel="ode", cfg_scale=1.0, micro_batch_size=args.batch_size)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s; {len(prompts)} videos, {args.history_frames} "
@@ -203,15 +224,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for start in range(0, len(prompts), args.batch_size):
         idx = list(range(start, min(start + args.batch_size, len(prompts))))
         with torch.no_grad():
+            batch = pixels[idx].to(device)
             res = history_rollout(gen, [prompts[i] for i in idx], frame_shape, args.num_frames, args.seed,
-                                  history=gen.encode(pixels[idx].to(device)), guidance=guidance, config=config,
-                                  window=args.window, context=context, indices=idx, progress=True)
+                                  history=gen.encode(batch[:, :args.history_frames]), guidance=guidance, config=config,
+                                  window=args.window, context=context, indices=idx, progress=True,
+                                  keyframes=gen.encode(batch[:, keys]) if keys else None,
+                                  keyframe_positions=keys or None)
             videos = gen.decode(res.video).float().clamp(0, 1).cpu()
         for i, video in zip(idx, videos, strict=True):
             name = f"{i:05d}.mp4"
             write_video(out / name, video, fps=args.fps)
             records.append(dict(file=name, index=i, prompt=prompts[i], history=sources[i], model=str(args.model),
-                                seed=args.seed, history_frames=args.history_frames, num_frames=args.num_frames,
+                                seed=args.seed, history_frames=args.history_frames, keyframes=keys,
+                                num_frames=args.num_frames,
                                 window=args.window, context=context, steps=args.steps, rule=guidance.kind,
                                 scale=guidance.scale, fractional_sigma=guidance.fractional_sigma,
                                 stabilization=guidance.stabilization, text_scale=guidance.text_scale,

@@ -45,7 +45,7 @@ def written(monkeypatch):
     return kept
 
 
-def _reference(prompts, history_pixels, rule, num_frames, steps, seed=0):
+def _reference(prompts, history_pixels, rule, num_frames, steps, seed=0, key_pixels=None, keys=None):
     from genrl.models.loading import load_generator
     from genrl.rollout import RolloutConfig, history_rollout
 
@@ -53,7 +53,8 @@ def _reference(prompts, history_pixels, rule, num_frames, steps, seed=0):
     with torch.no_grad():
         res = history_rollout(gen, prompts, (3, 16, 16), num_frames, seed, history=gen.encode(history_pixels),
                               guidance=rule, config=RolloutConfig(num_steps=steps, kernel="ode"), window=8,
-                              context=4, indices=range(len(prompts)))
+                              context=4, indices=range(len(prompts)),
+                              keyframes=None if key_pixels is None else gen.encode(key_pixels), keyframe_positions=keys)
         return gen.decode(res.video).float().clamp(0, 1), res.calls_per_frame
 
 
@@ -101,6 +102,27 @@ def test_each_flag_changes_what_it_should(tmp_path, written):
     assert float((stab[:, 8:] - frac[:, 8:]).abs().max()) > 1e-3
 
 
+def test_keyframes_are_taken_from_the_video_and_kept_in_place(tmp_path, written):
+    from genrl.flow import HistoryGuidance
+
+    argv = ["--model", MODEL, "--history", "shapes:heldout", "--limit", "2", "--history-frames", "4",
+            "--num-frames", "16", "--steps", "2", "--rule", "conditional", "--keyframes", "15", "14"]
+    plain = [written[r["file"]] for r in cont.main(argv[:-3] + ["--out", str(tmp_path / "p")])]
+    records = cont.main(argv + ["--out", str(tmp_path / "k")])  # (written is keyed by file name)
+    prompts, pixels, _ = cont.history_videos(cont._parser().parse_args(argv))
+    assert pixels.shape[1] == 16 and records[0]["keyframes"] == [14, 15]
+    want, calls = _reference(prompts, pixels[:, :4], HistoryGuidance("conditional", text_scale=3.0), 16, 2,
+                             key_pixels=pixels[:, 14:16], keys=[14, 15])
+    for r, p, video in zip(records, plain, want, strict=True):
+        got = written[r["file"]]
+        torch.testing.assert_close(got, video, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got[14:], pixels[r["index"], 14:], atol=1e-6, rtol=0)  # the real keyframes
+        torch.testing.assert_close(got[:12], p[:12], atol=0, rtol=0)  # the windows before them
+        assert float((got[12:14] - p[12:14]).abs().max()) > 1e-3
+    # 3 windows of 2 views x 2 steps over 10 generated frames (12 after the history, 2 of them given)
+    assert records[0]["calls_per_frame"] == pytest.approx(calls) == pytest.approx(3 * 2 * 2 / 10)
+
+
 def test_mp4_history_with_sidecar_captions_or_prompts(tmp_path, written, monkeypatch):
     from genrl.data.shapes import ShapesWorldConfig, parse_caption, render
     from genrl.data.video_io import read_video
@@ -133,6 +155,10 @@ def test_mp4_history_with_sidecar_captions_or_prompts(tmp_path, written, monkeyp
     (["--history", "/no/such.mp4"], FileNotFoundError, "does not exist"),
     (["--history", "shapes:heldout", "--history", "x.mp4"], ValueError, "give it alone"),
     (["--history", "shapes:heldout", "--rule", "vanilla", "--scale", "-1"], ValueError, "scale must be"),
+    (["--history", "shapes:heldout", "--keyframes", "2", "3"], SystemExit, None),
+    (["--history", "shapes:heldout", "--keyframes", "16", "17"], SystemExit, None),
+    (["--history", "shapes:heldout", "--keyframes", "8", "8"], SystemExit, None),
+    (["--history", "shapes:heldout", "--keyframes", "8", "9", "11"], ValueError, r"whole patches .*for 11: 10 11"),
     ([], ValueError, "give --history"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, extra, error, match, capsys):

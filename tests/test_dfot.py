@@ -207,7 +207,7 @@ def test_wan_dfot_config_trains_two_steps_and_samples_with_history_guidance(tmp_
     out = history_rollout(gen, ["a red circle", "a blue square"], (c, h, w), f, seed=0, history=history,
                           guidance=rule, config=RolloutConfig(num_steps=2, kernel="ode"), window=f)
     assert out.video.shape == (2, c, f, h, w) and torch.equal(out.video[:, :, :1], history)
-    assert out.windows == [{"start": 0, "history": 1, "new": 1, "nfe": 2}] and out.network_calls == 4
+    assert out.windows == [{"start": 0, "history": 1, "keyframes": 0, "new": 1, "nfe": 2}] and out.network_calls == 4
     assert torch.isfinite(out.video).all()
 
 

@@ -130,9 +130,9 @@ def test_sliding_window_lengths_history_and_cost(gen):
     assert out.video.shape == (3, 11, *FRAME)
     assert torch.equal(out.video[:, :2], hist)  # the given frames come back bit for bit
     assert out.generated.tolist() == [False] * 2 + [True] * 9
-    assert out.windows == [{"start": 0, "history": 2, "new": 4, "nfe": 3},
-                           {"start": 4, "history": 2, "new": 4, "nfe": 3},
-                           {"start": 8, "history": 2, "new": 1, "nfe": 3}]
+    assert out.windows == [{"start": 0, "history": 2, "keyframes": 0, "new": 4, "nfe": 3},
+                           {"start": 4, "history": 2, "keyframes": 0, "new": 4, "nfe": 3},
+                           {"start": 8, "history": 2, "keyframes": 0, "new": 1, "nfe": 3}]
     assert out.network_calls == 3 * 3 * 3 and out.calls_per_frame == pytest.approx(27 / 9)
     # without history the first window generates a whole window
     fresh = history_rollout(gen, PROMPTS, FRAME, 8, seed=2, guidance=HistoryGuidance(), config=ODE, window=4)
@@ -198,3 +198,83 @@ def test_a_generator_with_frames_on_axis_2_gets_the_same_rollout_in_its_layout(g
                           config=ODE, window=4, context=2)
     assert out.video.shape == (3, FRAME[0], 7, *FRAME[1:])
     assert torch.equal(out.video.movedim(2, 1), ref.video) and out.windows == ref.windows
+
+
+def test_history_positions_put_known_frames_where_the_model_sees_them(gen):
+    """A keyframe after the generated frames: one Euler step is x - v with v the model's velocity on [x, keyframe]
+    at per-frame sigma [1, 1, 0, 0]; positions [0, 1] are the default prefix, bit for bit."""
+    one = RolloutConfig(num_steps=1, kernel="ode", micro_batch_size=16, skip_last_step=False)
+    hist = _history()
+    cond = gen.encode_prompts(PROMPTS)
+    compiled = HistoryGuidance().compile(2)
+    idx = torch.arange(3)
+    with torch.no_grad():
+        new, _ = sample_window(gen, hist, 2, cond, None, compiled, 1, idx, one, 0, history_positions=[2, 3])
+        x = randn_per_sample((2, *FRAME), 1, idx, step=0)
+        v = gen.velocity(torch.cat([x, hist], dim=1), torch.tensor([[1.0, 1.0, 0.0, 0.0]]).expand(3, 4), cond)
+        torch.testing.assert_close(new, x - v[:, :2].float(), rtol=0, atol=1e-6)
+        prefix, _ = sample_window(gen, hist, 2, cond, None, compiled, 1, idx, one, 0, history_positions=[0, 1])
+        default, _ = sample_window(gen, hist, 2, cond, None, compiled, 1, idx, one, 0)
+    assert torch.equal(prefix, default) and (prefix - new).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("positions", [[0], [1, 0], [0, 0], [0, 4], [-1, 0]])
+def test_history_positions_are_checked(gen, positions):
+    with pytest.raises(ValueError, match="history_positions must be 2 distinct increasing"):
+        sample_window(gen, _history(), 2, gen.encode_prompts(PROMPTS), None, HistoryGuidance().compile(2), 1,
+                      torch.arange(3), ODE, 0, history_positions=positions)
+
+
+def test_keyframes_join_the_window_they_fall_in_and_come_back_unchanged(gen):
+    """Window 6, context 2, 12 frames: windows start at 0, 4, 8; a keyframe pair at frames 8-9 falls into window 1,
+    which then generates frames 6-7 between its history (4-5) and the keyframes; window 2 keeps the keyframes as its
+    history. Window 0 is untouched; window 1 equals one sample_window call with the keyframes at offsets 4-5."""
+    hist = _history()
+    keys = torch.randn(3, 2, *FRAME, generator=torch.Generator().manual_seed(9))
+    kw = dict(history=hist, config=ODE, window=6, context=2, indices=[4, 5, 6])
+    plain = history_rollout(gen, PROMPTS, FRAME, 12, seed=2, **kw)
+    out = history_rollout(gen, PROMPTS, FRAME, 12, seed=2, keyframes=keys, keyframe_positions=[8, 9], **kw)
+    assert torch.equal(out.video[:, 8:10], keys) and torch.equal(out.video[:, :2], hist)
+    assert out.generated.tolist() == [False] * 2 + [True] * 6 + [False] * 2 + [True] * 2
+    assert out.windows == [{"start": 0, "history": 2, "keyframes": 0, "new": 4, "nfe": 1},
+                           {"start": 4, "history": 2, "keyframes": 2, "new": 4, "nfe": 1},
+                           {"start": 8, "history": 2, "keyframes": 0, "new": 2, "nfe": 1}]
+    assert out.network_calls == 3 * 3 and out.calls_per_frame == pytest.approx(9 / 8)
+    assert torch.equal(out.video[:, 2:6], plain.video[:, 2:6])
+    cond = gen.encode_prompts(PROMPTS)
+    compiled = HistoryGuidance().compile(4)
+    with torch.no_grad():
+        want, _ = sample_window(gen, torch.cat([out.video[:, 4:6], keys], dim=1), 2, cond, None, compiled, 2,
+                                torch.tensor([4, 5, 6]), ODE, 1, history_positions=[0, 1, 4, 5])
+    assert torch.equal(out.video[:, 6:8], want)
+    assert (out.video[:, 6:8] - plain.video[:, 6:8]).abs().max() > 1e-3  # the keyframes condition the frames before
+    # a window made only of known frames calls nothing
+    full = history_rollout(gen, PROMPTS, FRAME, 6, seed=2, history=hist, config=ODE, window=6, context=2,
+                           keyframes=torch.cat([keys, keys], dim=1), keyframe_positions=[2, 3, 4, 5])
+    assert full.network_calls == 0 and not full.generated.any() and torch.equal(full.video[:, 4:], keys)
+
+
+def test_keyframes_are_real_history_for_stabilization(gen):
+    """Stabilization noises generated history only: a window whose history is all keyframes samples the same with
+    and without it."""
+    keys = torch.randn(3, 2, *FRAME, generator=torch.Generator().manual_seed(9))
+    outs = [history_rollout(gen, PROMPTS, FRAME, 10, seed=2, history=_history(), config=ODE, window=6, context=2,
+                            guidance=HistoryGuidance(stabilization=s), keyframes=keys, keyframe_positions=[8, 9])
+            for s in (0.0, 0.3)]
+    assert torch.equal(outs[0].video[:, 8:], outs[1].video[:, 8:])
+    assert (outs[0].video[:, 6:8] - outs[1].video[:, 6:8]).abs().max() > 1e-3  # window 1's history is generated
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"keyframe_positions": [8, 9]}, "without keyframes"),
+    ({"keyframes": torch.zeros(3, 2, *FRAME)}, "need keyframe_positions"),
+    ({"keyframes": torch.zeros(3, 2, *FRAME), "keyframe_positions": [8]}, "one position per keyframe"),
+    ({"keyframes": torch.zeros(3, 2, *FRAME), "keyframe_positions": [8, 8]}, r"distinct frame indices in \[2, 12\)"),
+    ({"keyframes": torch.zeros(3, 2, *FRAME), "keyframe_positions": [1, 2]}, r"distinct frame indices in \[2, 12\)"),
+    ({"keyframes": torch.zeros(3, 2, *FRAME), "keyframe_positions": [11, 12]}, r"distinct frame indices"),
+    ({"keyframes": torch.zeros(2, 2, *FRAME), "keyframe_positions": [8, 9]}, "2 samples for 3 prompts"),
+    ({"keyframes": torch.zeros(3, 1, *FRAME), "keyframe_positions": [7]}, "temporal patch"),
+])
+def test_bad_keyframes_are_refused(gen, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        history_rollout(gen, PROMPTS, FRAME, 12, seed=2, history=_history(), config=ODE, window=6, context=2, **kwargs)

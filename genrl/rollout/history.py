@@ -11,7 +11,9 @@ the predictions before the step (not the stepped states) is what keeps a stochas
 
 :func:`history_rollout` extends a video past the model's window: the first window continues the given history (or
 starts from none); every later window keeps the last ``context`` frames as history, marked *generated* so that the
-rule's ``stabilization`` applies to them, and generates ``window - context`` new ones.
+rule's ``stabilization`` applies to them, and generates ``window - context`` new ones. Given *keyframes* (known frames
+at later positions, e.g. a target every 16 frames) join the history of the window they fall into, at their place in
+it (``sample_window``'s ``history_positions``), so that window generates the frames leading up to them.
 
 Reproducibility (docs/architecture.md, Seeds and noise addressing): window w of sample i draws its initial noise from
 (seed, i, step 0) and its SDE noise of step k from (seed, i, step k + 1), on stream 0 for the first window and
@@ -54,8 +56,9 @@ class HistorySample:
         video: the given history followed by the generated frames, N frames on the generator's frame axis ([B, N,
             *frame] for genrl's DiT, [B, C, N, h, w] for Wan); the history's values unchanged, bit for bit.
         generated: bool [N], True on generated frames.
-        windows: per window, a dict with ``start`` (first frame of the window), ``history`` (its history frames),
-            ``new`` (frames it generated and kept) and ``nfe`` (network calls per step).
+        windows: per window, a dict with ``start`` (first frame of the window), ``history`` (its history frames
+            from before it), ``keyframes`` (given frames inside it), ``new`` (frames it added to the video,
+            keyframes included) and ``nfe`` (network calls per step; 0 when every frame was known).
         network_calls: per-sample network evaluations in all (views x steps, summed over windows).
         log_probs: float32 [B, windows * S] per-step log-probs of the generated frames (mean over their elements;
             0 on ODE steps).
@@ -108,8 +111,9 @@ def sample_window(
     indices: torch.Tensor,
     config: RolloutConfig,
     window: int = 0,
+    history_positions: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generate ``num_new`` frames after ``history`` under the compiled guidance rule, one combined step per step.
+    """Generate ``num_new`` frames around ``history`` under the compiled guidance rule, one combined step per step.
 
     Args:
         generator: a generator whose ``velocity`` takes a per-frame sigma [B, T] (genrl's DiT; Wan through its
@@ -122,17 +126,30 @@ def sample_window(
         seed, indices: address the noise (see the module docstring); window: this window's number.
         config: the rollout's kernel, schedule, micro-batching; its ``cfg_scale`` must be 1 (text CFG is part of
             the rule: ``HistoryGuidance.text_scale`` or ``drop_text_in_uncond``).
+        history_positions: where the known frames sit in the model's h + num_new frames, h distinct increasing
+            ints in [0, h + num_new) (None: the first h, a prefix). Known frames after generated ones are
+            *keyframes*: the model generates the frames between them (interpolation) or before them. The rule's
+            views index the known frames in this order. For genrl's DiT the known and generated frames must fill
+            whole temporal patches.
 
     Returns:
-        (new frames [B, num_new, *frame] float32, log-probs float32 [B, S]).
+        (new frames [B, num_new, *frame] float32, in frame order at the positions not in ``history_positions``;
+        log-probs float32 [B, S]).
 
     Raises:
-        ValueError: the history's frame count differs from the rule's, ``cfg_scale`` != 1, or a view drops the text
-            and ``null`` is None.
+        ValueError: the history's frame count differs from the rule's, ``cfg_scale`` != 1, a view drops the text
+            and ``null`` is None, or ``history_positions`` is not h distinct increasing ints in [0, h + num_new).
     """
     b, h = history.shape[0], history.shape[1]
     if h != compiled.num_history:
         raise ValueError(f"the guidance was compiled for {compiled.num_history} history frames, the history has {h}")
+    total = h + num_new
+    known = list(range(h)) if history_positions is None else [int(p) for p in history_positions]
+    if len(known) != h or any(not 0 <= p < total for p in known) or any(a >= c for a, c in zip(known, known[1:])):
+        raise ValueError(f"history_positions must be {h} distinct increasing frame positions in [0, {total}) "
+                         f"(one per history frame), got {list(history_positions or [])}")
+    known_idx = torch.tensor(known, dtype=torch.long)
+    gen_idx = torch.tensor([f for f in range(total) if f not in set(known)], dtype=torch.long)
     if config.cfg_scale != 1.0:
         raise ValueError(f"history sampling takes text guidance from the rule (HistoryGuidance.text_scale, "
                          f"drop_text_in_uncond), so the rollout's cfg_scale must be 1, got {config.cfg_scale}")
@@ -154,20 +171,21 @@ def sample_window(
     x = randn_per_sample((num_new, *frame_shape), seed, indices, step=0, stream=gen_stream, device=device,
                          backend=config.noise_backend)
     log_probs = []
+    known_idx, gen_idx = known_idx.to(device), gen_idx.to(device)
     for k in range(config.num_steps):
+        frames = x.new_empty(v_count, b, total, *frame_shape)
+        sig_frames = view_sigma.new_empty(v_count, b, total)
         if h:
             eps_h = randn_per_sample((h, *frame_shape), seed, indices, step=k, stream=hist_stream, device=device,
                                      backend=config.noise_backend)
-            views = noised_history(history, view_sigma, eps_h)  # [V, B, h, ...]
-            frames = torch.cat([views, x.unsqueeze(0).expand(v_count, *x.shape)], dim=2)
-        else:
-            frames = x.unsqueeze(0).expand(v_count, *x.shape)
-        sig_frames = torch.cat([view_sigma[:, None, :].expand(v_count, b, h),
-                                sig32[k].expand(v_count, b, num_new)], dim=2)
-        inputs = frames.reshape(v_count * b, h + num_new, *frame_shape).movedim(1, fd)  # the generator's layout
-        vel = guided_velocity(generator, inputs, sig_frames.reshape(v_count * b, h + num_new), conds, None, 1.0,
+            frames[:, :, known_idx] = noised_history(history, view_sigma, eps_h)  # [V, B, h, ...]
+            sig_frames[:, :, known_idx] = view_sigma[:, None, :].expand(v_count, b, h)
+        frames[:, :, gen_idx] = x.unsqueeze(0).expand(v_count, *x.shape)
+        sig_frames[:, :, gen_idx] = sig32[k]
+        inputs = frames.reshape(v_count * b, total, *frame_shape).movedim(1, fd)  # the generator's layout
+        vel = guided_velocity(generator, inputs, sig_frames.reshape(v_count * b, total), conds, None, 1.0,
                               config.micro_batch_size, config.batching).movedim(fd, 1)
-        v = compiled.combine(vel.reshape(v_count, b, h + num_new, *frame_shape)[:, :, h:])
+        v = compiled.combine(vel.reshape(v_count, b, total, *frame_shape)[:, :, gen_idx])
         if mask[k]:
             noise = randn_per_sample((num_new, *frame_shape), seed, indices, step=k + 1, stream=gen_stream,
                                      device=device, backend=config.noise_backend)
@@ -179,6 +197,28 @@ def sample_window(
         x = out.sample
         log_probs.append(out.log_prob.float().cpu())
     return x, torch.stack(log_probs, dim=1)
+
+
+def _keyframes_at(keyframes, positions, fd: int, b: int, h0: int, num_frames: int) -> dict[int, torch.Tensor]:
+    """{output frame index: frames-first keyframe [B, *frame]} from :func:`history_rollout`'s arguments, checked."""
+    if keyframes is None:
+        if positions:
+            raise ValueError(f"keyframe_positions {list(positions)} given without keyframes")
+        return {}
+    if positions is None:
+        raise ValueError("keyframes need keyframe_positions: the output frame index of each keyframe")
+    pos = [int(p) for p in positions]
+    keyframes = keyframes.movedim(fd, 1)
+    if keyframes.shape[0] != b:
+        raise ValueError(f"the keyframes have {keyframes.shape[0]} samples for {b} prompts")
+    if len(pos) != keyframes.shape[1]:
+        raise ValueError(f"{keyframes.shape[1]} keyframes and {len(pos)} keyframe_positions {pos}: give one "
+                         f"position per keyframe")
+    bad = [p for p in pos if not h0 <= p < num_frames]
+    if bad or len(set(pos)) != len(pos):
+        raise ValueError(f"keyframe_positions must be distinct frame indices in [{h0}, {num_frames}) (after the "
+                         f"{h0} history frames, inside the output), got {pos}")
+    return dict(zip(pos, keyframes.unbind(1), strict=True))
 
 
 def history_rollout(
@@ -194,8 +234,15 @@ def history_rollout(
     context: int | None = None,
     indices: Sequence[int] | torch.Tensor | None = None,
     progress: bool = False,
+    keyframes: torch.Tensor | None = None,
+    keyframe_positions: Sequence[int] | None = None,
 ) -> HistorySample:
     """Sample ``num_frames`` frames per prompt: continue ``history`` and slide a window of ``window`` frames.
+
+    With ``keyframes``, known frames at given positions of the output (e.g. a target frame every 16) join the
+    history of the window they fall into: that window generates the frames before and between them (interpolating
+    towards the keyframe) and the keyframes enter the video unchanged. A later window's history is its last
+    ``context`` frames, keyframes among them counted as real (no stabilization).
 
     Args:
         generator: see :func:`sample_window`.
@@ -210,13 +257,19 @@ def history_rollout(
         window: frames the model sees at once (its training length; the shapes DiT: 8).
         context: history frames kept by every later window (default ``window // 2``); 0 < context < window.
         progress: a progress bar over windows.
+        keyframes: known frames in the generator's layout ([B, K, *frame]; Wan: [B, C, K, h, w]), or None.
+        keyframe_positions: their K frame indices in the output, distinct, in [h0, num_frames) with h0 the
+            history's length (required with ``keyframes``). For genrl's DiT each window's known frames must fill
+            whole temporal patches: with an even history, context and window, give keyframes in aligned pairs
+            (frames 2j and 2j + 1).
 
     Returns:
-        :class:`HistorySample`.
+        :class:`HistorySample` (keyframes bitwise in ``video``, False in ``generated``).
 
     Raises:
         ValueError: ``num_frames`` not above the history's length, the history not shorter than ``window``,
-            ``context`` outside (0, window), a history batch different from the prompts'.
+            ``context`` outside (0, window), a history or keyframe batch different from the prompts', keyframe
+            positions missing, repeated or outside [h0, num_frames), or their count not the keyframes'.
     """
     guidance = guidance or HistoryGuidance()
     config = config or RolloutConfig(kernel="ode")
@@ -235,8 +288,10 @@ def history_rollout(
         raise ValueError(f"num_frames={num_frames} must exceed the history's {h0} frames")
     if history is not None and history.shape[0] != b:
         raise ValueError(f"the history has {history.shape[0]} samples for {b} prompts")
+    keys = _keyframes_at(keyframes, keyframe_positions, fd, b, h0, num_frames)
     idx = torch.arange(b) if indices is None else torch.as_tensor(list(map(int, indices)), dtype=torch.long)
     device = generator.device
+    keys = {p: f.to(device=device, dtype=torch.float32) for p, f in keys.items()}
     with torch.no_grad():
         cond = generator.encode_prompts(list(prompts))
         null = generator.encode_prompts([config.null_prompt] * b)
@@ -253,15 +308,26 @@ def history_rollout(
             task = bar.add_task("history rollout", total=num_frames - h0)
         while len(frames) < num_frames:
             hist_len = h0 if w == 0 else context
-            hist = (torch.stack(frames[len(frames) - hist_len:], dim=1) if hist_len
-                    else torch.empty(b, 0, *frame_shape, device=device))
-            compiled = guidance.compile(hist_len, generated[len(generated) - hist_len:] if hist_len else [])
-            new, lp = sample_window(generator, hist, window - hist_len, cond, null, compiled, seed, idx, config, w)
+            start = len(frames) - hist_len
+            inside = [p - start for p in sorted(keys) if len(frames) <= p < start + window]  # window offsets
+            known = list(range(hist_len)) + inside
+            hist = [*frames[start:], *(keys[start + o] for o in inside)]
+            hist = torch.stack(hist, dim=1) if hist else torch.empty(b, 0, *frame_shape, device=device)
+            compiled = guidance.compile(len(known), generated[start:] + [False] * len(inside))
+            num_new = window - len(known)
+            if num_new:
+                new, lp = sample_window(generator, hist, num_new, cond, null, compiled, seed, idx, config, w,
+                                        history_positions=known)
+                calls += compiled.nfe * config.num_steps
+            else:  # every frame of the window is known
+                new, lp = hist[:, :0], torch.zeros(b, config.num_steps)
+            fresh = iter(new.unbind(1))
             keep = min(window - hist_len, num_frames - len(frames))
-            windows.append({"start": len(frames) - hist_len, "history": hist_len, "new": keep, "nfe": compiled.nfe})
-            frames.extend(new[:, :keep].unbind(1))
-            generated.extend([True] * keep)
-            calls += compiled.nfe * config.num_steps
+            for o in range(hist_len, hist_len + keep):
+                frames.append(keys[start + o] if o in inside else next(fresh))
+                generated.append(o not in inside)
+            windows.append({"start": start, "history": hist_len, "keyframes": len(inside), "new": keep,
+                            "nfe": compiled.nfe if num_new else 0})
             log_probs.append(lp)
             if bar is not None:
                 bar.advance(task, keep)
@@ -271,5 +337,7 @@ def history_rollout(
     video = torch.stack(frames, dim=1)
     if history is not None:
         video[:, :h0] = history.to(device=device, dtype=video.dtype)
+    for p, f in keys.items():
+        video[:, p] = f.to(video.dtype)
     return HistorySample(video=video.movedim(1, fd), generated=torch.tensor(generated), windows=windows,
                          network_calls=calls, log_probs=torch.cat(log_probs, dim=1))
