@@ -209,6 +209,14 @@ def test_wan_dfot_config_trains_two_steps_and_samples_with_history_guidance(tmp_
     assert out.video.shape == (2, c, f, h, w) and torch.equal(out.video[:, :, :1], history)
     assert out.windows == [{"start": 0, "history": 1, "keyframes": 0, "new": 1, "nfe": 2}] and out.network_calls == 4
     assert torch.isfinite(out.video).all()
+    # a keyframe in Wan's layout ([B, C, K, h, w]) lands at its frame, bit for bit; the window made of it and the
+    # generated frame 1 calls nothing
+    key = torch.randn(2, c, 1, h, w, generator=torch.Generator().manual_seed(4))
+    keyed = history_rollout(gen, ["a red circle", "a blue square"], (c, h, w), 4, seed=0, history=history,
+                            guidance=rule, config=RolloutConfig(num_steps=2, kernel="ode"), window=2, context=1,
+                            keyframes=key, keyframe_positions=[2])
+    assert keyed.video.shape == (2, c, 4, h, w) and torch.equal(keyed.video[:, :, 2:3], key)
+    assert keyed.generated.tolist() == [False, True, False, True] and keyed.network_calls == 2 * 2 * 2
 
 
 def test_shapes_dfot_config_fine_tunes_the_shipped_model(tmp_path, monkeypatch):
