@@ -1,4 +1,4 @@
-"""Continue videos from known history frames, or roll out far beyond the model's window, under history guidance.
+r"""Continue videos from known history frames, or roll out far beyond the model's window, under history guidance.
 
 A diffusion-forcing model (``diffusion_forcing`` of ``FlowMatchingPretrain``, docs/methods/history_guidance.md)
 takes any number of known frames as history. This script gives it the first ``--history-frames`` frames of each
@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=Formatter)
     p.add_argument("--model", required=True, help="a genrl DiT folder (e.g. a diffusion-forcing run's export/) or "
                                                    "a genrl fit checkpoint")
-    p.add_argument("--text-encoder", default=None, help="local text-encoder folder or 'minilm' (default: recorded)")
+    p.add_argument("--text-encoder", default=None,
+                   help="local text-encoder folder or 'minilm'; None: the one the model recorded")
     p.add_argument("--no-ema", action="store_true", help="checkpoints only: the raw weights, not the EMA")
     p.add_argument("--history", action="append", default=[],
                    help="an mp4 (repeatable), a folder of mp4s, or shapes:heldout / shapes:train (real shapes videos "
@@ -89,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="noise seed (sample i's noise is addressed by (seed, i))")
     p.add_argument("--batch-size", type=int, default=32, help="videos per call")
     p.add_argument("--fps", type=int, default=8, help="frame rate of the mp4s")
-    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    p.add_argument("--device", default=None, help="cuda / cpu; None: cuda when available")
     p.add_argument("--out", default="outputs/continued", help="output folder (mp4s + manifest.jsonl)")
     return p
 
@@ -145,8 +146,12 @@ def history_videos(args: argparse.Namespace) -> tuple[list[str], torch.Tensor, l
         from genrl.data.shapes import ShapesWorldConfig, caption, heldout_prompts, parse_caption, render, sample_spec
         from genrl.noise import sample_generator
 
-        world = ShapesWorldConfig(boundary=args.world, multi_step_prob=0.0, height=args.height, width=args.width,
-                                  num_frames=max(k, 2))
+        try:
+            world = ShapesWorldConfig(boundary=args.world, multi_step_prob=0.0, height=args.height, width=args.width,
+                                      num_frames=max(k, 2))
+        except ValueError as e:
+            raise ValueError(f"--world {args.world} cannot render {k} real frames (--history-frames / --keyframes "
+                             f"ask for that many): use --world wrap, which renders any length ({e})") from None
         if args.prompt:
             prompts = list(args.prompt)
         elif split == "heldout":
@@ -169,7 +174,16 @@ def history_videos(args: argparse.Namespace) -> tuple[list[str], torch.Tensor, l
     else:
         raise ValueError(f"{len(files)} history videos and {len(args.prompt)} --prompt: give one prompt for all, one "
                          f"per video, or a caption file next to each video (clip.txt for clip.mp4)")
-    pixels = torch.stack([read_video(f, num_frames=k, size=(args.height, args.width)) for f in files])
+    clips = []
+    for f in files:
+        try:
+            clips.append(read_video(f, num_frames=k, size=(args.height, args.width)))
+        except ValueError as e:
+            need = f"--history-frames {args.history_frames}" + (f" and --keyframes up to {max(args.keyframes)}"
+                                                                 if args.keyframes else "")
+            raise ValueError(f"--history {f} is shorter than the {k} frames that {need} need: use a longer clip, "
+                             f"fewer history frames or earlier keyframes (reader: {e})") from None
+    pixels = torch.stack(clips)
     return prompts, pixels.float(), [str(f) for f in files]
 
 
@@ -208,6 +222,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          f"(docs/methods/history_guidance.md)")
     gen.to(device).eval()
     pt = int(gen.transformer.config.patch_size[0])
+    odd = [f"{n} {v}" for n, v in (("--history-frames", args.history_frames), ("--context", context),
+                                   ("--window", args.window)) if v % pt]
+    if odd:
+        raise ValueError(f"{', '.join(odd)}: the model's temporal patch is {pt} frames, so the history, the context "
+                         f"and the window are multiples of {pt}")
     loose = [i for i in keys if any(i - i % pt + j not in keys for j in range(pt))]
     if loose:
         whole = " ".join(str(loose[0] - loose[0] % pt + j) for j in range(pt))
@@ -215,8 +234,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          f"patches (frames {pt}j .. {pt}j + {pt - 1}; for {loose[0]}: {whole})")
     frame_shape = (gen.codec.latent_channels, args.height, args.width)
     config = RolloutConfig(num_steps=args.steps, kernel="ode", cfg_scale=1.0, micro_batch_size=args.batch_size)
-    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s; {len(prompts)} videos, {args.history_frames} "
-          f"known + {args.num_frames - args.history_frames} generated frames, {guidance.kind} rule, on {device}")
+    n_gen = args.num_frames - args.history_frames - len(keys)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s; {len(prompts)} video(s), {args.history_frames} "
+          f"history + {len(keys)} keyframes + {n_gen} generated frames each, {guidance.kind} rule, on {device}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
@@ -244,7 +264,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tmp = out / "manifest.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     tmp.replace(out / "manifest.jsonl")
-    print(f"wrote {len(records)} videos and manifest.jsonl to {out} in {time.perf_counter() - t1:.1f} s "
+    print(f"wrote {len(records)} video(s) and manifest.jsonl to {out} in {time.perf_counter() - t1:.1f} s "
           f"({records[0]['calls_per_frame']:g} network calls per generated frame)")
     return records
 

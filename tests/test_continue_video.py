@@ -146,6 +146,10 @@ def test_mp4_history_with_sidecar_captions_or_prompts(tmp_path, written, monkeyp
     one = cont.main(["--model", MODEL, "--history", str(clips / "c1.mp4"), "--prompt", "a blue circle staying still",
                      "--history-frames", "2", "--num-frames", "8", "--steps", "2", "--out", str(tmp_path / "p")])
     assert one[0]["prompt"] == "a blue circle staying still"
+    with pytest.raises(ValueError, match="shorter than the 12 frames that --history-frames 2 and --keyframes up to 11"):
+        cont.main(["--model", MODEL, "--history", str(clips), "--history-frames", "2", "--num-frames", "12",
+                   "--keyframes", "10", "11", "--out", str(tmp_path / "q")])
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.parametrize("extra, error, match", [
@@ -159,6 +163,10 @@ def test_mp4_history_with_sidecar_captions_or_prompts(tmp_path, written, monkeyp
     (["--history", "shapes:heldout", "--keyframes", "16", "17"], SystemExit, None),
     (["--history", "shapes:heldout", "--keyframes", "8", "8"], SystemExit, None),
     (["--history", "shapes:heldout", "--keyframes", "8", "9", "11"], ValueError, r"whole patches .*for 11: 10 11"),
+    (["--history", "shapes:heldout", "--history-frames", "3"], ValueError, "--history-frames 3: .* multiples of 2"),
+    (["--history", "shapes:heldout", "--context", "3"], ValueError, "--context 3: .* multiples of 2"),
+    (["--history", "shapes:heldout", "--world", "inside", "--num-frames", "16", "--keyframes", "12", "13"],
+     ValueError, "use --world wrap"),
     ([], ValueError, "give --history"),
 ])
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, extra, error, match, capsys):
