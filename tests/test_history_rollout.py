@@ -255,14 +255,16 @@ def test_keyframes_join_the_window_they_fall_in_and_come_back_unchanged(gen):
 
 
 def test_keyframes_are_real_history_for_stabilization(gen):
-    """Stabilization noises generated history only: a window whose history is all keyframes samples the same with
-    and without it."""
+    """Stabilization noises generated history only. Keyframes 4-5 fall into window 0 beside the real history 0-1,
+    and are window 1's whole history: frames 0-9 sample the same with and without stabilization; window 2 (history
+    8-9, generated) does not."""
     keys = torch.randn(3, 2, *FRAME, generator=torch.Generator().manual_seed(9))
-    outs = [history_rollout(gen, PROMPTS, FRAME, 10, seed=2, history=_history(), config=ODE, window=6, context=2,
-                            guidance=HistoryGuidance(stabilization=s), keyframes=keys, keyframe_positions=[8, 9])
+    outs = [history_rollout(gen, PROMPTS, FRAME, 12, seed=2, history=_history(), config=ODE, window=6, context=2,
+                            guidance=HistoryGuidance(stabilization=s), keyframes=keys, keyframe_positions=[4, 5])
             for s in (0.0, 0.3)]
-    assert torch.equal(outs[0].video[:, 8:], outs[1].video[:, 8:])
-    assert (outs[0].video[:, 6:8] - outs[1].video[:, 6:8]).abs().max() > 1e-3  # window 1's history is generated
+    assert [w["keyframes"] for w in outs[0].windows] == [2, 0, 0]
+    assert torch.equal(outs[0].video[:, :10], outs[1].video[:, :10])
+    assert (outs[0].video[:, 10:] - outs[1].video[:, 10:]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("kwargs, match", [

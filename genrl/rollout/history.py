@@ -337,7 +337,5 @@ def history_rollout(
     video = torch.stack(frames, dim=1)
     if history is not None:
         video[:, :h0] = history.to(device=device, dtype=video.dtype)
-    for p, f in keys.items():
-        video[:, p] = f.to(video.dtype)
     return HistorySample(video=video.movedim(1, fd), generated=torch.tensor(generated), windows=windows,
                          network_calls=calls, log_probs=torch.cat(log_probs, dim=1))
