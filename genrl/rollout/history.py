@@ -148,15 +148,15 @@ def sample_window(
     if len(known) != h or any(not 0 <= p < total for p in known) or any(a >= c for a, c in zip(known, known[1:])):
         raise ValueError(f"history_positions must be {h} distinct increasing frame positions in [0, {total}) "
                          f"(one per history frame), got {list(history_positions or [])}")
-    known_idx = torch.tensor(known, dtype=torch.long)
-    gen_idx = torch.tensor([f for f in range(total) if f not in set(known)], dtype=torch.long)
+    device = generator.device
+    known_idx = torch.tensor(known, dtype=torch.long, device=device)
+    gen_idx = torch.tensor(sorted(set(range(total)) - set(known)), dtype=torch.long, device=device)
     if config.cfg_scale != 1.0:
         raise ValueError(f"history sampling takes text guidance from the rule (HistoryGuidance.text_scale, "
                          f"drop_text_in_uncond), so the rollout's cfg_scale must be 1, got {config.cfg_scale}")
     drops = compiled.drop_text()
     if any(drops) and null is None:
         raise ValueError("a guidance view drops the text but no null conditioning was given")
-    device = generator.device
     fd = int(getattr(generator, "frame_dim", 1))
     frame_shape = tuple(history.shape[2:])
     gen_stream, hist_stream = _streams(window)
@@ -171,7 +171,6 @@ def sample_window(
     x = randn_per_sample((num_new, *frame_shape), seed, indices, step=0, stream=gen_stream, device=device,
                          backend=config.noise_backend)
     log_probs = []
-    known_idx, gen_idx = known_idx.to(device), gen_idx.to(device)
     for k in range(config.num_steps):
         frames = x.new_empty(v_count, b, total, *frame_shape)
         sig_frames = view_sigma.new_empty(v_count, b, total)
