@@ -3,6 +3,7 @@ in-place refresh contract (bitwise equal to a fresh build, storage unchanged, st
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -241,3 +242,30 @@ def test_a_half_precision_copy_on_a_cpu_without_amx_warns(monkeypatch, caplog, c
     assert bool(hit) == warns
     if warns:
         assert capability in hit[0] and "'fp32'" in hit[0]
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_hardware_fp8_config_leaves_inductor_settings_alone(monkeypatch, granularity):
+    """torchao's fp8 config for the rollout copy must not rewrite inductor's global settings (its default turns on
+    coordinate-descent tuning: a 188 s first compile of the Wan2.1-1.3B copy on an H200, and a changed compile of
+    every other model in the process). CUDA is faked: only the config is built here, nothing runs."""
+    pytest.importorskip("torchao")
+    import torch._inductor.config as inductor_config
+    from torchao.quantization import PerRow, PerTensor, quantize_
+
+    from genrl.models.quantized import _torchao_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    config = _torchao_config(RolloutPrecision("fp8", granularity=granularity))
+    assert config.set_inductor_config is False
+    assert isinstance(config.granularity[0] if isinstance(config.granularity, (list, tuple)) else config.granularity,
+                      PerRow if granularity == "row" else PerTensor)
+    saved = inductor_config.save_config()
+    before = inductor_config.coordinate_descent_tuning
+    try:
+        with contextlib.suppress(Exception):  # the float8 kernels need a real GPU; the settings would be set first
+            quantize_(nn.Sequential(nn.Linear(32, 32)), config)
+        assert inductor_config.coordinate_descent_tuning == before
+    finally:
+        inductor_config.load_config(saved)

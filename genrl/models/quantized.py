@@ -301,7 +301,11 @@ def _torchao_config(precision: RolloutPrecision):
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
 
         gran = PerRow() if precision.granularity == "row" else PerTensor()
-        return Float8DynamicActivationFloat8WeightConfig(granularity=gran)
+        # set_inductor_config=False: torchao's default rewrites inductor's global settings (coordinate-descent
+        # tuning among them) for every later compile in the process; on one H200 that made the first compiled call
+        # of a Wan2.1-1.3B fp8 copy take 188 s instead of about 12 s for a 1.4% faster forward (RESULTS.md, "GPU
+        # suite"), and it would change how the trained model compiles too
+        return Float8DynamicActivationFloat8WeightConfig(granularity=gran, set_inductor_config=False)
     if cc[0] != 10:
         raise RuntimeError(f"rollout precision 'nvfp4' needs a Blackwell datacenter GPU (compute capability 10.x); "
                            f"this GPU has {cc}; use 'fp8' on Hopper or 'fake_nvfp4' to study its error")
