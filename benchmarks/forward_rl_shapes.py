@@ -32,6 +32,10 @@ METHODS = {
     "nft": [str(ROOT / "configs/ram/shapes.yaml"), str(ROOT / "configs/ram/nft_shapes.yaml")],
     "awm": [str(ROOT / "configs/ram/shapes.yaml"), str(ROOT / "configs/ram/awm_shapes.yaml")],
 }
+#: overrides after the configs: GRPO as the quickstart was when RESULTS.md's figures were measured (10-step rollouts,
+#: SDE window in [0, 7), lr 5e-5; the quickstart itself now trains 6-step rollouts at lr 8e-5)
+OVERRIDES = {"grpo": ["--model.init_args.rollout.num_steps=10", "--model.init_args.rollout.window_end=7",
+                      "--model.init_args.optimizer.init_args.lr=0.00005"]}
 
 
 def run(method: str, seed: int, steps: int, val_every: int, extra: list[str]) -> dict:
@@ -57,7 +61,7 @@ def run(method: str, seed: int, steps: int, val_every: int, extra: list[str]) ->
             curve.append({"step": int(trainer.global_step), "seconds": round(time.perf_counter() - self.t0, 1)
                           if self.t0 else 0.0, "reward": float(val) if val is not None else float("nan")})
 
-    args = [a for c in METHODS[method] for a in ("--config", c)] + COMMON + [
+    args = [a for c in METHODS[method] for a in ("--config", c)] + OVERRIDES.get(method, []) + COMMON + [
         f"--seed_everything={seed}", f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}",
         f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={val_every}",
         f"--trainer.default_root_dir=/tmp/forward_rl/{method}_{seed}", *extra]
