@@ -291,7 +291,10 @@ def measure(args: argparse.Namespace) -> dict:
     with torch.no_grad():
         gen.decode(warm["state"].latents)
     if args.overlap_decode:
-        warm = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed, decoder, overlap=True)
+        try:
+            warm = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed, decoder, overlap=True)
+        except Exception:  # noqa: BLE001 - the measured overlapped run below records the error
+            pass
     del warm
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -346,15 +349,19 @@ def measure(args: argparse.Namespace) -> dict:
             "max_abs_diff_vs_decode_at_end": float((srun["pixels"] - video).abs().max()),
         }
         if args.overlap_decode:
-            orun = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed + 1, decoder, overlap=True)
-            report["stream_decode_overlap"] = {
-                "second_cuda_stream": device.type == "cuda",
-                "first_pixels_latency_s": round(orun["first_pixels_s"], 4),
-                "e2e_s": round(orun["total_s"], 4),
-                "e2e_fps": round(pix / orun["total_s"], 2),
-                "max_abs_diff_vs_sequential_stream": float((orun["pixels"] - srun["pixels"]).abs().max()),
-            }
-            del orun
+            try:  # not yet run on a GPU: a failure here is recorded and leaves the other figures
+                orun = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed + 1, decoder,
+                              overlap=True)
+                report["stream_decode_overlap"] = {
+                    "second_cuda_stream": device.type == "cuda",
+                    "first_pixels_latency_s": round(orun["first_pixels_s"], 4),
+                    "e2e_s": round(orun["total_s"], 4),
+                    "e2e_fps": round(pix / orun["total_s"], 2),
+                    "max_abs_diff_vs_sequential_stream": float((orun["pixels"] - srun["pixels"]).abs().max()),
+                }
+                del orun
+            except Exception as err:  # noqa: BLE001 - reported in the JSON, the run goes on
+                report["stream_decode_overlap"] = {"status": f"error: {type(err).__name__}: {err}"[:300]}
         del srun
 
     if args.local_window is not None:
