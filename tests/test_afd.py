@@ -161,12 +161,12 @@ def test_advantages_are_normalised_over_the_gathered_batch(tmp_path, monkeypatch
     teacher, student = torch.randn(2, 8, 3, 16, 16), torch.randn(4, 8, 3, 16, 16)
     cond_t = model.generator.encode_prompts(["a red circle", "a blue square"])
     cond_s = model.generator.encode_prompts(["a red circle"] * 2 + ["a blue square"] * 2)
-    d_local, adv_local, _ = model.advantages(teacher, student, cond_t, cond_s)
+    d_local, adv_local, *_ = model.advantages(teacher, student, cond_t, cond_s)
     assert torch.allclose(adv_local, centered_advantages(d_local, clip=model.hparams.clip_c))
     other = d_local * 3.0 + 2.0  # the other rank's gaps
     monkeypatch.setattr(common, "world_of", lambda m: (1, 2))  # this is rank 1 of 2
     monkeypatch.setattr(model, "all_gather", lambda t: torch.stack([other.to(t.device), t]))
-    d, adv, r = model.advantages(teacher, student, cond_t, cond_s)
+    d, adv, r, *_ = model.advantages(teacher, student, cond_t, cond_s)
     expected = centered_advantages(torch.cat([other, d_local]), clip=model.hparams.clip_c)[4:]
     assert torch.equal(d, d_local) and torch.allclose(adv, expected, atol=1e-6)
     assert not torch.allclose(adv, adv_local, atol=1e-3)

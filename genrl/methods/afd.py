@@ -19,12 +19,16 @@ resumed run repeats an uninterrupted one.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 
+from genrl.data.online_teacher import OnlineTeacherSpec
+from genrl.data.teacher_videos import codec_fingerprint
 from genrl.flow import add_noise
 from genrl.flow.nft import nft_loss, ref_regularizer
 from genrl.methods.common import (
@@ -57,6 +61,7 @@ __all__ = ["AFD"]
 
 _STREAM_SIGMA = 31
 _STREAM_EPS = 32
+_STREAM_TEACHER = 33  # the online teacher's seed: mix_seed(seed, _STREAM_TEACHER)
 
 
 class AFD(LightningModule):
@@ -87,6 +92,19 @@ class AFD(LightningModule):
         sigma_from_schedule: draw the noise levels among the student's own step sigmas (where a few-step student
             is evaluated, as in its ODE initialisation); False draws uniformly in (0.02, 0.98).
         nft_steps: NFT gradient steps per iteration, each with a fresh sigma / noise draw.
+        teacher: an online black-box teacher (:class:`~genrl.data.online_teacher.OnlineTeacherSpec`: the shapes
+            renderer, a local generator, or a folder of mp4s with a generator fallback), queried every iteration on
+            the batch's own prompts with seed ``mix_seed(seed, 33)`` and the batch's sample indices; its clips and
+            latents are cached. With a teacher the training batches need only prompts (a
+            :class:`~genrl.data.PromptDataModule`); their ``teacher_pixels``, if any, are not used.
+        mismatch_weight: weight of the matching-aware term (teacher clip vs another prompt's teacher clip under
+            its own prompt, :func:`~genrl.methods.distill.discriminator_loss`); 0 = off.
+        label_smoothing: one-sided BT label smoothing eps in [0, 0.5) of the discriminator.
+        advantage_baseline: ``"batch"`` centres the score gaps over the whole batch; ``"group"`` centres each
+            prompt's K rollouts on their own mean (std of the batch), so only their ranking counts (needs K >= 2).
+        saturation_threshold / saturation_window: warn once when the discriminator's training accuracy stays above
+            the threshold for that many consecutive iterations (it then separates every pair, and its gaps rank
+            the student's samples by whatever it keys on); ``train/disc_saturated`` logs the state.
         student_optimizer / discriminator_optimizer: optimizer factories.
         max_grad_norm: gradient-norm clip of both networks (0 = off).
         rewards / reward_combine: validation rewards (default: the shapes verifier).
@@ -115,6 +133,12 @@ class AFD(LightningModule):
         sigma_per_chunk: bool = True,
         sigma_from_schedule: bool = True,
         nft_steps: int = 1,
+        teacher: OnlineTeacherSpec | None = None,
+        mismatch_weight: float = 0.0,
+        label_smoothing: float = 0.0,
+        advantage_baseline: Literal["batch", "group"] = "batch",
+        saturation_threshold: float = 0.95,
+        saturation_window: int = 20,
         student_optimizer: OptimizerCallable = torch.optim.AdamW,
         discriminator_optimizer: OptimizerCallable = torch.optim.AdamW,
         max_grad_norm: float = 1.0,
@@ -127,6 +151,17 @@ class AFD(LightningModule):
                             ("nft_steps", nft_steps)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        if mismatch_weight < 0:
+            raise ValueError(f"mismatch_weight must be >= 0, got {mismatch_weight}")
+        if advantage_baseline not in ("batch", "group"):
+            raise ValueError(f"advantage_baseline must be 'batch' or 'group', got {advantage_baseline!r}")
+        if advantage_baseline == "group" and samples_per_prompt < 2:
+            raise ValueError("advantage_baseline='group' ranks each prompt's K rollouts: set samples_per_prompt >= 2 "
+                             "or use advantage_baseline='batch'")
+        if saturation_window < 1:
+            raise ValueError(f"saturation_window must be >= 1, got {saturation_window}")
         if not 0 <= old_decay_max < 1 or old_decay_ramp < 0:
             raise ValueError(f"need 0 <= old_decay_max < 1 and old_decay_ramp >= 0, got {old_decay_max}, "
                              f"{old_decay_ramp}")
@@ -141,6 +176,9 @@ class AFD(LightningModule):
         self.generator = None
         self.discriminator = None
         self.old_policy = None
+        self.teacher_spec, self.teacher = teacher, None
+        self._recent_acc: deque[float] = deque(maxlen=saturation_window)
+        self._saturation_warned = False
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
@@ -164,6 +202,8 @@ class AFD(LightningModule):
         self.roles.lagged("old_policy", gen.transformer)
         if self.hparams.ref_weight > 0:
             self.roles.reference_copy(gen)
+        if self.teacher_spec is not None and self.teacher is None:
+            self.teacher = self.teacher_spec.build()
 
     def configure_optimizers(self):
         return role_optimizers(self, generator=self.student_factory, discriminator=self.disc_factory)
@@ -180,25 +220,61 @@ class AFD(LightningModule):
                                   indices)
         return out.latents.float()
 
+    def online_teacher_latents(self, prompts: list[str], indices: torch.Tensor) -> torch.Tensor:
+        """The online teacher's clips of ``prompts`` (sample ids ``indices``) as the student codec's latents
+        (cached)."""
+        gen = self.generator
+        seed = mix_seed(self.hparams.seed, _STREAM_TEACHER)
+        lat = self.teacher.latents_for(prompts, seed, indices, lambda px: gen.encode(px.to(self.device)),
+                                       codec_fingerprint(gen))
+        return lat.to(self.device)
+
+    def check_saturation(self, accuracy: float) -> bool:
+        """Record one iteration's discriminator accuracy; True (and one warning per run) when every one of the last
+        ``saturation_window`` accuracies is above ``saturation_threshold``."""
+        h = self.hparams
+        self._recent_acc.append(float(accuracy))
+        saturated = len(self._recent_acc) == h.saturation_window and min(self._recent_acc) > h.saturation_threshold
+        if saturated and not self._saturation_warned:
+            self._saturation_warned = True
+            rank_zero_warn(
+                f"AFD: the discriminator was right on more than {h.saturation_threshold:.0%} of (teacher, student) "
+                f"pairs for {h.saturation_window} iterations in a row (last {accuracy:.3f}); its score gaps now rank "
+                f"the student's samples by whatever it keys on. Knobs: disc_noise_max (instance noise, now "
+                f"{h.disc_noise_max}), r1_weight / r2_weight (now {h.r1_weight} / {h.r2_weight}), mismatch_weight "
+                f"(now {h.mismatch_weight}), label_smoothing (now {h.label_smoothing}), discriminator_steps (now "
+                f"{h.discriminator_steps}) and the discriminator's learning rate (docs/methods/distillation.md, AFD).")
+        return saturated
+
     def teacher_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """Teacher clips (pixels [B, T, 3, H, W] in [0, 1], already in the student's format) -> latents."""
         with torch.no_grad():
             return self.generator.encode(pixels.to(self.device)).float()
 
     def discriminator_loss(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s, salt: int = 0,
-                           indices: torch.Tensor | None = None):
+                           indices: torch.Tensor | None = None, mismatch_valid: torch.Tensor | None = None):
         """BT loss (+ R1 / R2) of the (teacher, K students) pairs with the instance noise of (seed, iteration, salt)
         and the teacher clips' global ``indices`` (:func:`~genrl.methods.distill.discriminator_loss`); returns (loss,
         accuracy)."""
         h = self.hparams
         return discriminator_loss(self.discriminator, teacher, student, cond_t, cond_s, h.samples_per_prompt,
                                   h.r1_weight, h.r2_weight, h.disc_noise_max,
-                                  mix_seed(h.seed, int(self.iteration), salt), self.frame_dim, indices)
+                                  mix_seed(h.seed, int(self.iteration), salt), self.frame_dim, indices,
+                                  h.mismatch_weight, mismatch_valid, h.label_smoothing)
 
-    def advantages(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s):
-        """(d, A, r) over the gathered batch (:func:`~genrl.methods.distill.discriminator_advantages`)."""
+    def advantages(self, teacher: torch.Tensor, student: torch.Tensor, cond_t, cond_s,
+                   s_indices: torch.Tensor | None = None):
+        """(d, A, r, student scores, teacher scores) over the gathered batch
+        (:func:`~genrl.methods.distill.discriminator_advantages`); ``s_indices`` [B K] (the student samples' global
+        ids, row b k = index_b K + k) give the prompt groups of ``advantage_baseline="group"``."""
+        h = self.hparams
+        group = None
+        if h.advantage_baseline == "group":
+            if s_indices is None:
+                raise ValueError("advantage_baseline='group' needs the student samples' indices (s_indices)")
+            group = torch.as_tensor(s_indices).long() // h.samples_per_prompt
         return discriminator_advantages(self, self.discriminator, teacher, student, cond_t, cond_s,
-                                        self.hparams.samples_per_prompt, self.hparams.clip_c, self.frame_dim)
+                                        h.samples_per_prompt, h.clip_c, self.frame_dim, group)
 
     def nft_step_loss(self, x0: torch.Tensor, r: torch.Tensor, cond, indices: torch.Tensor, it: int, step: int):
         """DiffusionNFT loss (+ reference term) on the student's own samples ``x0`` with optimality ``r`` [B]."""
@@ -228,9 +304,10 @@ class AFD(LightningModule):
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        if "teacher_pixels" not in batch:
+        if self.teacher is None and "teacher_pixels" not in batch:
             raise ValueError("AFD batches need 'teacher_pixels' (use genrl.data.TeacherVideoDataModule, or a "
-                             "datamodule that attaches teacher clips of the student's format)")
+                             "datamodule that attaches teacher clips of the student's format), or set "
+                             "model.init_args.teacher (an online teacher queried on the batch's prompts)")
         prompts, indices = list(batch["prompts"]), batch["index"].cpu()
         k = self.hparams.samples_per_prompt
         it = int(self.iteration)
@@ -240,14 +317,19 @@ class AFD(LightningModule):
         s_prompts = [p for p in prompts for _ in range(k)]
         s_indices = (indices[:, None] * k + torch.arange(k)[None]).flatten()
         cond_s = gen.encode_prompts(s_prompts)
-        teacher = self.teacher_latents(batch["teacher_pixels"])
+        if self.teacher is not None:
+            teacher = self.online_teacher_latents(prompts, indices)
+        else:
+            teacher = self.teacher_latents(batch["teacher_pixels"])
+        mismatch_valid = torch.tensor([p != q for p, q in zip(prompts, prompts[-1:] + prompts[:-1])])
         student = self.student_rollouts(cond_s, s_indices, mix_seed(self.hparams.seed, it, 1))
         bs = len(s_prompts)
 
         h, last = self.hparams, {}
 
         def disc_unit(d_step: int):  # one discriminator step per unit; the last step's loss and accuracy are logged
-            loss_d, acc = self.discriminator_loss(teacher, student, cond_t, cond_s, salt=100 + d_step, indices=indices)
+            loss_d, acc = self.discriminator_loss(teacher, student, cond_t, cond_s, salt=100 + d_step, indices=indices,
+                                                  mismatch_valid=mismatch_valid)
             last.update(loss=loss_d.detach(), acc=acc)
             return loss_d, {}, 1
 
@@ -255,10 +337,14 @@ class AFD(LightningModule):
                         h.max_grad_norm, lambda loss: check_finite(loss, "discriminator", it), counted=False)
         self.log("train/disc_loss", last["loss"], batch_size=bs)
         self.log("train/disc_accuracy", last["acc"], prog_bar=True, batch_size=bs)
+        self.log("train/disc_saturated", float(self.check_saturation(float(last["acc"]))), batch_size=bs)
 
-        d, adv, r = self.advantages(teacher, student, cond_t, cond_s)
-        self.log("train/score_gap", d.mean(), batch_size=bs)
-        self.log("train/r_mean", r.mean(), batch_size=bs)
+        d, adv, r, s_x, s_y = self.advantages(teacher, student, cond_t, cond_s, s_indices)
+        for key, value in (("score_gap", d.mean()), ("score_gap_std", d.std(unbiased=False)),
+                           ("score_student", s_x.mean()), ("score_teacher", s_y.mean()), ("r_mean", r.mean()),
+                           ("adv_abs_mean", adv.abs().mean()),
+                           ("adv_clipped_frac", (adv.abs() >= h.clip_c).float().mean())):
+            self.log(f"train/{key}", value, batch_size=bs)
 
         def nft_unit(step: int):  # the NFT steps accumulate into one optimizer step; stats are already means (weight 0)
             loss, stats = self.nft_step_loss(student, r, cond_s, s_indices, it, step)
@@ -283,10 +369,12 @@ class AFD(LightningModule):
         prompts = list(batch["prompts"])
         videos = self.generate(prompts, batch["index"].cpu())
         log_validation_rewards(self, self.scorer, videos, prompts)
-        if "teacher_pixels" in batch:  # held-out teacher clips: how well D still separates them
+        if self.teacher is not None or "teacher_pixels" in batch:  # held-out teacher clips: does D still separate?
             cond = self.generator.encode_prompts(prompts)
             score, fd = self.discriminator.score, self.frame_dim
-            acc = (score(self.teacher_latents(batch["teacher_pixels"]), cond, frame_dim=fd)
+            teacher = (self.online_teacher_latents(prompts, batch["index"].cpu()) if self.teacher is not None
+                       else self.teacher_latents(batch["teacher_pixels"]))
+            acc = (score(teacher, cond, frame_dim=fd)
                    > score(self.generator.encode(videos.to(self.device)).float(), cond, frame_dim=fd)).float().mean()
             self.log("val/disc_accuracy", acc, batch_size=len(prompts))
         return {"videos": videos, "prompts": prompts}

@@ -171,13 +171,24 @@ def dmd_noised(x: torch.Tensor, indices: torch.Tensor, seed: int, stream: int, s
 
 def discriminator_loss(discriminator: nn.Module, teacher: torch.Tensor, student: torch.Tensor, cond_t: Conditioning,
                        cond_s: Conditioning, samples_per_prompt: int, r1_weight: float = 0.0, r2_weight: float = 0.0,
-                       noise_max: float = 0.0, seed: int = 0, frame_dim: int = 1, indices: torch.Tensor | None = None):
+                       noise_max: float = 0.0, seed: int = 0, frame_dim: int = 1, indices: torch.Tensor | None = None,
+                       mismatch_weight: float = 0.0, mismatch_valid: torch.Tensor | None = None,
+                       label_smoothing: float = 0.0):
     """Bradley-Terry loss of a prompt-paired discriminator (AFD): softplus(-(D(y_b) - D(x_bk))) over teacher clips y
     [B, *latent] each repeated for its K = ``samples_per_prompt`` student samples x [B K, *latent]
     (:func:`genrl.flow.nft.bt_loss`), + ``r1_weight`` R1 on the teacher + ``r2_weight`` R2 on the students (gradient
     penalties, Mescheder et al. 2018), on inputs with the paired instance noise of :func:`paired_instance_noise`
     (``noise_max`` > 0, addressed by ``seed`` and the teacher clips' global ``indices``). ``discriminator.score(latents,
     cond, sigma=, frame_dim=, double_backward=)`` -> [N].
+
+    Two regularisers of what D keys on (docs/methods/distillation.md, "AFD", keeping the discriminator informative):
+
+    * ``mismatch_weight`` > 0 adds the matching-aware term of conditional GANs (Reed et al. 2016, GAN-INT-CLS) in
+      paired form: teacher clip b must beat the batch's previous teacher clip y_{b-1} under prompt b,
+      softplus(-(D(y_b, c_b) - D(y_{b-1}, c_b))), over the pairs where ``mismatch_valid`` [B] (bool: the two prompts
+      differ) holds. A score that ignores the prompt cannot lower it, so D must learn what the prompt asks for.
+    * ``label_smoothing`` eps in [0, 1/2): the BT target is 1 - eps instead of 1, (1 - eps) softplus(-g) + eps
+      softplus(g) for each gap g (one-sided smoothing, Salimans et al. 2016): gaps stop growing at log((1-eps)/eps).
 
     Returns:
         (0-d loss with graph in the discriminator, detached accuracy: the fraction of pairs with D(y) > D(x)).
@@ -190,7 +201,22 @@ def discriminator_loss(discriminator: nn.Module, teacher: torch.Tensor, student:
     s_y = discriminator.score(y, cond_t, sigma=sig_t, frame_dim=frame_dim, double_backward=use_r1 or None)
     s_x = discriminator.score(x, cond_s, sigma=sig_s, frame_dim=frame_dim, double_backward=use_r2 or None)
     s_y_rep = s_y.repeat_interleave(samples_per_prompt)
-    loss = bt_loss(s_y_rep, s_x)
+
+    def smoothed(pos, neg):
+        loss = bt_loss(pos, neg, reduction="none")
+        if label_smoothing <= 0:
+            return loss
+        return (1 - label_smoothing) * loss + label_smoothing * bt_loss(neg, pos, reduction="none")
+
+    loss = smoothed(s_y_rep, s_x).mean()
+    if mismatch_weight > 0 and teacher.shape[0] > 1:
+        valid = (torch.ones(teacher.shape[0], dtype=torch.bool) if mismatch_valid is None
+                 else mismatch_valid.to(torch.bool).cpu())
+        if bool(valid.any()):
+            y_wrong = teacher.detach().roll(1, 0)
+            s_wrong = discriminator.score(y_wrong, cond_t, sigma=None if sig_t is None else sig_t.roll(1, 0),
+                                          frame_dim=frame_dim)
+            loss = loss + mismatch_weight * smoothed(s_y, s_wrong)[valid.to(s_y.device)].mean()
     if use_r1:
         loss = loss + r1_weight * r1_penalty(s_y, y)
     if use_r2:
@@ -201,14 +227,20 @@ def discriminator_loss(discriminator: nn.Module, teacher: torch.Tensor, student:
 @torch.no_grad()
 def discriminator_advantages(module: LightningModule, discriminator: nn.Module, teacher: torch.Tensor,
                              student: torch.Tensor, cond_t: Conditioning, cond_s: Conditioning, samples_per_prompt: int,
-                             clip_c: float, frame_dim: int = 1):
+                             clip_c: float, frame_dim: int = 1, group: torch.Tensor | None = None):
     """AFD's advantages: score gaps d = D(x_bk) - D(y_b) [B K], centred, std-normalised and clipped to [-C, C] over
     the batch gathered from every rank (:func:`genrl.flow.nft.centered_advantages`; this rank's slice), and the
-    optimality probabilities r = 1/2 + A / (2C) (:func:`genrl.flow.nft.advantage_to_r`). Returns ``(d, A, r)``."""
-    d = discriminator.score(student, cond_s, frame_dim=frame_dim) - discriminator.score(
-        teacher, cond_t, frame_dim=frame_dim).repeat_interleave(samples_per_prompt)
-    adv = rank_slice(module, centered_advantages(gather_batch(module, d), clip=clip_c), len(d)).to(d.device)
-    return d, adv, advantage_to_r(adv, clip_c).to(d.device)
+    optimality probabilities r = 1/2 + A / (2C) (:func:`genrl.flow.nft.advantage_to_r`). With ``group`` [B K] (global
+    prompt-slot ids) each prompt's K samples are centred on their own mean and scaled by the batch's std (DiffusionNFT's
+    per-prompt baseline): only how the K rollouts of one prompt compare counts. Returns ``(d, A, r, s_x, s_y)``, the
+    last two the student [B K] and teacher [B] scores."""
+    s_x = discriminator.score(student, cond_s, frame_dim=frame_dim)
+    s_y = discriminator.score(teacher, cond_t, frame_dim=frame_dim)
+    d = s_x - s_y.repeat_interleave(samples_per_prompt)
+    g = None if group is None else gather_batch(module, group.to(d.device))
+    adv = rank_slice(module, centered_advantages(gather_batch(module, d), clip=clip_c, group=g,
+                                                 std="global"), len(d)).to(d.device)
+    return d, adv, advantage_to_r(adv, clip_c).to(d.device), s_x, s_y
 
 
 def paired_instance_noise(teacher: torch.Tensor, student: torch.Tensor, samples_per_prompt: int, max_sigma: float,
