@@ -33,6 +33,8 @@ COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/tiny/sol_rl.yaml": "configs/sol_rl/shapes.yaml",
             "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml",
             "configs/dfot/shapes_wrap.yaml": "configs/dfot/shapes.yaml",
+            "configs/afd/strong_teacher.yaml": "configs/pretrain/shapes.yaml",
+            "configs/afd/wan2.1_t2v_1.3b_online.yaml": "configs/afd/wan2.1_t2v_1.3b.yaml",
             # trainer profiles (configs/trainer/) are composed after a recipe
             **{f"configs/trainer/{p.name}": "configs/quickstart.yaml"
                for p in (ROOT / "configs/trainer").glob("*.yaml")}}
@@ -206,6 +208,48 @@ def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
                and not torch.equal(before[n], p.detach())}
     assert changed == {"generator", "discriminator"} and int(cli.model.iteration) == 2
     assert all("lora_" in n for n in before if n.startswith("generator."))
+
+
+def test_wan_afd_online_config_trains_with_a_teacher_of_another_family_and_size(tmp_path, monkeypatch, tiny_policy,
+                                                                                  tiny_text_encoder):
+    """configs/afd/wan2.1_t2v_1.3b_online.yaml with tiny random Wan components, and as its online teacher a genrl DiT
+    (another family, 16x16 at 8 fps, 8 frames) whose clips are resampled to the Wan student's 16 fps format: two
+    iterations through the real CLI, the teacher asked once per prompt variant, its clips and latents cached."""
+    from genrl.testing.families import TINY_SIZE, tiny_generator_spec
+
+    monkeypatch.chdir(tmp_path)
+    size = TINY_SIZE["wan"]
+    override = {
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
+                    "enable_progress_bar": False, "logger": False, "callbacks": []},
+        "model": {"init_args": {
+            "generator": tiny_generator_spec("wan"),
+            "lora": {"rank": 4, "alpha": 4},
+            "discriminator": {"model_class": "genrl.models.discriminator.VideoDiscriminator",
+                              "config": {"in_channels": 16, "patch_size": [1, 2, 2], "hidden_size": 16,
+                                         "num_layers": 1, "num_attention_heads": 2, "text_dim": 32, "frame_dim": 2}},
+            "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
+            "rewards": [{"name": "colorfulness"}],
+            "teacher": {"kind": "generator", "path": tiny_policy, "text_encoder": tiny_text_encoder,
+                        "num_frames": size["num_frames"], "height": 16, "width": 16, "fps": 16.0, "steps": 2,
+                        "teacher_frames": 8, "teacher_height": 16, "teacher_width": 16, "teacher_fps": 8.0,
+                        "variants_per_prompt": 1, "cache_dir": str(tmp_path / "cache"), "device": "cpu"},
+        }},
+        "data": {"init_args": {"train": "shapes:train", "val": "shapes:heldout", "prompts_per_batch": 2}},
+    }
+    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
+    configs = ["configs/afd/wan2.1_t2v_1.3b.yaml", "configs/afd/wan2.1_t2v_1.3b_online.yaml"]
+    cli = _cli([*(a for c in configs for a in ("--config", str(ROOT / c))), "--config", str(tmp_path / "tiny.yaml")],
+               run=False)
+    cli.model.configure_model()
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if p.requires_grad
+               and not torch.equal(before[n], p.detach())}
+    assert changed == {"generator", "discriminator"} and int(cli.model.iteration) == 2
+    teacher = cli.model.teacher
+    assert teacher.queries == 4 and teacher.spec.fps == 16.0  # 2 x 2 distinct prompts, one variant each
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 8  # their clips and their latents
 
 
 def test_old_style_policy_keys_name_the_new_generator_key(tmp_path):
