@@ -55,12 +55,54 @@ def log_trend(logdir: str, tag: str, parts: int = 10) -> list[dict]:
             for i in range(0, len(points), size)]
 
 
+def disc_informativeness(ckpt: str, gen, prompts: list[str], world, verifier, schedule, k: int = 4,
+                         seed: int = 5) -> dict:
+    """Does a trained AFD discriminator rank the student's samples like the exact verifier does?
+
+    ``k`` student samples per prompt (the checkpoint's own student ``gen``), scored by the checkpoint's
+    discriminator on clean latents; per prompt, the Spearman correlation (over its k samples) between the score and
+    each verifier column (reward, shape / colour / direction probability, consistency), averaged over the prompts
+    where both vary. A discriminator that keys on what the student lacks gives a positive correlation with that
+    column; one that keys on something else gives about 0.
+    """
+    from ar_distill_shapes import sample_student
+
+    from genrl.models.discriminator import VideoDiscriminator
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    disc = VideoDiscriminator(in_channels=3, patch_size=(2, 2, 2), text_dim=384, frame_dim=1)
+    disc.load_state_dict({k_[len("discriminator."):]: v for k_, v in state.items() if k_.startswith("discriminator.")})
+    disc.eval()
+    rep = [p for p in prompts for _ in range(k)]
+    videos = sample_student(gen, rep, world, seed, schedule, 64)
+    with torch.no_grad():
+        scores = disc.score(gen.encode(videos).float(), gen.encode_prompts(rep))
+    gold = verifier(videos, rep)
+
+    def rank(x):
+        return x.argsort().argsort().double()
+
+    out = {}
+    for col in ("reward", "shape", "color", "direction", "consistency"):
+        rs = []
+        for i in range(len(prompts)):
+            a, b = scores[i * k:(i + 1) * k].double(), gold[col][i * k:(i + 1) * k].double()
+            if a.std() > 0 and b.std() > 1e-9 and torch.isfinite(b).all():
+                ra, rb = rank(a), rank(b)
+                rs.append(float(((ra - ra.mean()) * (rb - rb.mean())).sum() / ((ra - ra.mean()).norm()
+                                                                               * (rb - rb.mean()).norm())))
+        out[col] = {"spearman": statistics.fmean(rs) if rs else float("nan"), "prompts": len(rs)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--teacher", action="append", default=[],
                    help="'renderer' (the world's renderer on the training prompts) or name=folder (teacher mp4s)")
     p.add_argument("--student", action="append", default=[], help="name=folder (a DiT save_pretrained folder)")
     p.add_argument("--afd-logs", action="append", default=[], help="name=logdir of an AFD run (TensorBoard)")
+    p.add_argument("--disc-ckpt", action="append", default=[],
+                   help="name=ckpt of an AFD run whose discriminator ranks its student's samples (name: a --student)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--batch", type=int, default=64)
@@ -131,6 +173,15 @@ def main(argv: list[str] | None = None) -> dict:
               f"{sc['consistency']['mean']:.3f} fd-real {entry['fd_real']:.1f} "
               + " ".join(f"fd-{k} {v:.1f}" for k, v in entry["fd_teacher"].items()) + f" {fps:.0f} frames/s",
               flush=True)
+    result["disc_informativeness"] = {}
+    students = dict(item.split("=", 1) for item in args.student)
+    for item in args.disc_ckpt:
+        name, ckpt = item.split("=", 1)
+        gen = _load(students[name], CausalConfig(2))
+        info = disc_informativeness(ckpt, gen, prompts[:64], world, verifier, sched)
+        result["disc_informativeness"][name] = info
+        print(f"{name}: within-prompt Spearman(D score, verifier):",
+              " ".join(f"{c} {v['spearman']:+.2f} ({v['prompts']})" for c, v in info.items()), flush=True)
     result["afd_logs"] = {}
     for item in args.afd_logs:
         name, logdir = item.split("=", 1)

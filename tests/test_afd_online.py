@@ -290,3 +290,42 @@ def test_check_saturation_window(model):
     assert flags == [False, False, False, False, False, True, True]
     assert sum("AFD: the discriminator" in str(w.message) for w in seen) == 1
     assert not math.isnan(model.hparams.saturation_threshold)
+
+
+def test_trunk_discriminator_scores_the_frozen_initial_student_features(tmp_path, monkeypatch, tiny_policy,
+                                                                         tiny_text_encoder):
+    """discriminator_trunk: heads on a frozen copy of the initial student (bidirectional), only the heads train."""
+    from genrl.models.discriminator import TrunkDiscriminator
+    from genrl.models.roles import swapped_transformer
+    from genrl.models.trunk import trunk_adapter
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="discriminator_trunk"):
+        _cli(tiny_policy, tiny_text_encoder, ["--model.init_args.discriminator_trunk=[1]"], run=False)
+    args = ["--model.init_args.discriminator_trunk=[1, 2]", "--model.init_args.r1_weight=0",
+            "--trainer.limit_val_batches=0"]
+    cli = _cli(tiny_policy, tiny_text_encoder, args, run=False)
+    cli.model.configure_model()
+    disc, gen = cli.model.discriminator, cli.model.generator
+    assert isinstance(disc, TrunkDiscriminator) and disc.layers == [1, 2]
+    trunk0 = {k: v.clone() for k, v in disc.trunk.state_dict().items()}
+    heads0 = {k: v.clone() for k, v in disc.heads.state_dict().items()}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert all(torch.equal(v, trunk0[k]) for k, v in disc.trunk.state_dict().items())  # frozen
+    assert any(not torch.equal(v, heads0[k]) for k, v in disc.heads.state_dict().items())  # trained
+    student = dict(gen.transformer.named_parameters())
+    assert any(not torch.equal(student[k], v) for k, v in disc.trunk.named_parameters() if k in student)
+    x = torch.randn(3, 8, 3, 16, 16)
+    cond = gen.encode_prompts(["a red circle", "a blue square", "a green triangle"])
+    sigma = torch.tensor([0.0, 0.3, 0.6])
+    with torch.no_grad(), swapped_transformer(gen, disc.trunk) as g:
+        causal, g.causal = g.causal, None
+        feats = trunk_adapter(g).features_at(x, sigma, cond, [1, 2])
+        g.causal = causal
+        expected = disc.heads(feats)
+    assert gen.causal is not None  # the student's layout is restored
+    with torch.no_grad():
+        assert torch.allclose(disc.score(x, cond, sigma=sigma), expected, atol=1e-6)
+        assert not torch.allclose(disc.score(x, cond), expected)  # sigma reaches the trunk
+    with pytest.raises(ValueError, match="R1 / R2"):
+        disc.score(x, cond, double_backward=True)

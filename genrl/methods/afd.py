@@ -49,7 +49,7 @@ from genrl.methods.distill import (
     student_rollout,
 )
 from genrl.methods.phases import optimizer_steps
-from genrl.models.discriminator import VideoDiscriminator
+from genrl.models.discriminator import TrunkDiscriminator, VideoDiscriminator
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles, ramped_decay
@@ -77,6 +77,9 @@ class AFD(LightningModule):
         num_frames: latent frames per rollout; frame_shape: latent shape of one frame (default: derived).
         discriminator: the discriminator network (:class:`ModelSpec`, default a small
             :class:`~genrl.models.VideoDiscriminator` on latents sized from the student).
+        discriminator_trunk: block counts of a frozen copy of the initial student whose features
+            :class:`~genrl.models.TrunkDiscriminator`'s heads score (instead of a standalone discriminator); ``[]``
+            taps the default three depths; None (default) keeps ``discriminator``. No R1 / R2 with a trunk.
         samples_per_prompt: student rollouts K per prompt (each compared with the prompt's teacher clip).
         discriminator_steps: discriminator updates per iteration (n_D).
         r1_weight / r2_weight: gamma / 2 of the R1 (teacher) / R2 (student) gradient penalties (0 = off).
@@ -119,6 +122,7 @@ class AFD(LightningModule):
         num_frames: int = 8,
         frame_shape: list[int] | None = None,
         discriminator: ModelSpec | None = None,
+        discriminator_trunk: list[int] | None = None,
         samples_per_prompt: int = 2,
         discriminator_steps: int = 1,
         r1_weight: float = 0.0,
@@ -160,6 +164,9 @@ class AFD(LightningModule):
         if advantage_baseline == "group" and samples_per_prompt < 2:
             raise ValueError("advantage_baseline='group' ranks each prompt's K rollouts: set samples_per_prompt >= 2 "
                              "or use advantage_baseline='batch'")
+        if discriminator_trunk is not None and (discriminator is not None or r1_weight > 0 or r2_weight > 0):
+            raise ValueError("discriminator_trunk builds the discriminator on the student's own trunk: drop the "
+                             "discriminator spec and set r1_weight = r2_weight = 0 (no double backward through it)")
         if saturation_window < 1:
             raise ValueError(f"saturation_window must be >= 1, got {saturation_window}")
         if not 0 <= old_decay_max < 1 or old_decay_ramp < 0:
@@ -189,7 +196,9 @@ class AFD(LightningModule):
             return
         fd = self.frame_dim
         self.frame_shape = self.frame_shape or frame_shape_of(gen)
-        if self.discriminator_spec is not None:
+        if self.hparams.discriminator_trunk is not None:
+            disc = TrunkDiscriminator(gen, self.hparams.discriminator_trunk or None)
+        elif self.discriminator_spec is not None:
             disc = self.discriminator_spec.build()
         else:
             text_dim = getattr(getattr(gen, "text_encoder", None), "hidden_size", None) or 384

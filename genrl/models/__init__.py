@@ -2,11 +2,11 @@
 model specs."""
 
 from genrl.models.codec import PixelCodec
-from genrl.models.discriminator import FeatureGANHeads, VideoDiscriminator
+from genrl.models.discriminator import FeatureGANHeads, TrunkDiscriminator, VideoDiscriminator
 from genrl.models.dit import VideoDiT
 from genrl.models.generator import DiTGenerator, Generator
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import MINILM, Conditioning, TextEncoder
 
 __all__ = ["Conditioning", "DiTGenerator", "FeatureGANHeads", "Generator", "MINILM", "ModelSpec", "PixelCodec",
-           "TextEncoder", "VideoDiT", "VideoDiscriminator"]
+           "TextEncoder", "TrunkDiscriminator", "VideoDiT", "VideoDiscriminator"]

@@ -17,6 +17,8 @@ gap becomes the student's advantage.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +29,7 @@ from torch import nn
 
 from genrl.models.dit import sincos_position_embedding_3d, timestep_embedding
 
-__all__ = ["FeatureGANHeads", "VideoDiscriminator"]
+__all__ = ["FeatureGANHeads", "TrunkDiscriminator", "VideoDiscriminator"]
 
 _READOUTS = ("token", "mean")
 
@@ -387,3 +389,76 @@ class FeatureGANHeads(nn.Module):
             raise ValueError(f"{len(features)} feature grids for {len(self.heads)} GAN heads")
         dtype = self.heads[0][0].weight.dtype
         return sum(head(f.to(dtype)).squeeze(-1).float() for head, f in zip(self.heads, features, strict=True))
+
+
+class TrunkDiscriminator(nn.Module):
+    """A prompt-conditioned video discriminator on a frozen copy of the student's own network (AFD).
+
+    The copy (taken when the discriminator is built, i.e. the initial student) runs bidirectionally on the noised
+    latents ``x_sigma`` at ``sigma`` with the prompt through its own cross-attention, and
+    :class:`FeatureGANHeads` score its token grids after ``layers`` blocks; only the heads train. This is the
+    discriminator the AFD spec recommends for real-size students (a head on the student architecture's trunk, as in
+    Self-Forcing's GAN and DMD2, Yin et al. 2024, section 4.3): its features already encode the text and the data, so
+    the heads need not learn them from a few pairs.
+
+    ``score(videos, cond, sigma=None, frame_dim=None, double_backward=None) -> float32 [B]`` as
+    :meth:`VideoDiscriminator.score` (``sigma``: None / float / [B] in [0, 1]). R1 / R2 penalties are not supported
+    (the trunk's fused attention has no double backward): ``double_backward=True`` raises.
+
+    Args:
+        generator: the student generator (genrl's DiT or a diffusers family with a trunk adapter); it is held by
+            reference (not a submodule) to run the copy with its input handling and text conditioning.
+        layers: block counts to tap (each in 1 .. L); default ``[round(0.53 L), round(0.77 L), L]``.
+        channels: width of each head.
+
+    Raises:
+        ValueError: a layer outside 1 .. L, a family without a trunk adapter.
+    """
+
+    needs_double_backward = False
+
+    def __init__(self, generator: nn.Module, layers: list[int] | None = None, channels: int = 64) -> None:
+        import copy
+
+        from genrl.models.trunk import trunk_adapter
+
+        super().__init__()
+        self.trunk = copy.deepcopy(generator.transformer).requires_grad_(False).eval()
+        with self._bidirectional(generator) as gen:
+            adapter = trunk_adapter(gen)
+            n = adapter.num_layers
+            self.layers = list(layers) if layers else sorted({max(1, round(0.53 * n)), max(1, round(0.77 * n)), n})
+            if any(not 1 <= k <= n for k in self.layers):
+                raise ValueError(f"discriminator trunk layers {self.layers}: block counts must be in 1 .. L = {n}")
+            width = adapter.hidden_size
+        self.heads = FeatureGANHeads(width, len(self.layers), channels)
+        self._generator = [generator]  # a plain list: the student is not a submodule of its discriminator
+
+    def train(self, mode: bool = True) -> TrunkDiscriminator:
+        super().train(mode)
+        self.trunk.eval()  # frozen: no dropout / norm updates
+        return self
+
+    @contextmanager
+    def _bidirectional(self, generator: nn.Module) -> Iterator[nn.Module]:
+        """``generator`` running the frozen copy with full (bidirectional) attention; restored on exit."""
+        from genrl.models.roles import swapped_transformer
+
+        with swapped_transformer(generator, self.trunk) as gen:
+            gen.causal = None  # the discriminator sees the whole clip (swapped_transformer restores the layout)
+            yield gen
+
+    def score(self, videos: torch.Tensor, cond, sigma: torch.Tensor | float | None = None,
+              frame_dim: int | None = None, double_backward: bool | None = None) -> torch.Tensor:
+        """Scores float32 [B] of latents ``videos`` (the generator's layout) against ``cond``; higher = more real."""
+        from genrl.models.trunk import trunk_adapter
+
+        if double_backward:
+            raise ValueError("TrunkDiscriminator does not support R1 / R2 (no double backward through the trunk); "
+                             "set r1_weight = r2_weight = 0 and use instance noise (disc_noise_max) instead")
+        b = videos.shape[0]
+        s = torch.as_tensor(0.0 if sigma is None else sigma, dtype=torch.float32, device=videos.device)
+        s = s.expand(b) if s.ndim == 0 else s
+        with self._bidirectional(self._generator[0]) as gen:
+            feats = trunk_adapter(gen).features_at(videos.to(next(self.trunk.parameters()).dtype), s, cond, self.layers)
+        return self.heads(feats)
