@@ -178,12 +178,14 @@ def test_afd_queries_the_online_teacher_with_the_batch_prompts_and_addressed_see
 
 def test_afd_with_an_online_teacher_resumes_exactly(tmp_path, monkeypatch, tiny_policy, tiny_text_encoder):
     args = ["--model.init_args.mismatch_weight=0.5", "--model.init_args.label_smoothing=0.1",
-            "--model.init_args.advantage_baseline=group", "--model.init_args.samples_per_prompt=2"]
+            "--model.init_args.advantage_baseline=group", "--model.init_args.samples_per_prompt=2",
+            "--model.init_args.teacher_fm_weight=0.5"]
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
     full = _cli(tiny_policy, tiny_text_encoder, args)
     assert int(full.model.iteration) == 3 and "val/disc_accuracy" in full.trainer.logged_metrics
+    assert float(full.trainer.logged_metrics["train/teacher_fm"]) > 0
     final = full.model.state_dict()
     monkeypatch.chdir(tmp_path / "b")
     _cli(tiny_policy, tiny_text_encoder, args + ["--trainer.max_steps=1"])
@@ -329,3 +331,32 @@ def test_trunk_discriminator_scores_the_frozen_initial_student_features(tmp_path
         assert not torch.allclose(disc.score(x, cond), expected)  # sigma reaches the trunk
     with pytest.raises(ValueError, match="R1 / R2"):
         disc.score(x, cond, double_backward=True)
+
+
+def test_teacher_flow_matching_term_targets_eps_minus_y_and_changes_the_update(model, monkeypatch):
+    import genrl.methods.afd as afd_module
+
+    y = torch.randn(2, 8, 3, 16, 16)
+    cond = model.generator.encode_prompts(["a red circle", "a blue square"])
+    idx = torch.tensor([3, 4])
+    seen = {}
+
+    def oracle(gen, x0, x_t, sigma, cond, causal):  # the exact velocity of the straight path: eps - y
+        seen["sigma"] = sigma
+        s = sigma[:, :, None, None, None]
+        return (x_t - x0) / s
+
+    monkeypatch.setattr(afd_module, "teacher_forced_velocity", oracle)
+    assert float(model.teacher_fm_loss(y, cond, idx, it=0, step=0)) < 1e-10
+    levels = set(model.schedule.sigmas()[:-1].tolist())
+    sig = seen["sigma"]
+    assert sig.shape == (2, 8) and set(sig.flatten().tolist()) <= levels
+    assert torch.equal(sig[:, ::2], sig[:, 1::2])  # one level per chunk of 2 frames
+
+    def off_by_y(gen, x0, x_t, sigma, cond, causal):  # eps - y + y: error y everywhere
+        return oracle(gen, x0, x_t, sigma, cond, causal) + x0
+
+    monkeypatch.setattr(afd_module, "teacher_forced_velocity", off_by_y)
+    assert torch.allclose(model.teacher_fm_loss(y, cond, idx, it=0, step=0), (y ** 2).mean(), rtol=1e-5)
+    with pytest.raises(ValueError, match="teacher_fm_weight"):
+        type(model)(teacher_fm_weight=-1.0)

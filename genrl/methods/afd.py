@@ -30,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from genrl.data.online_teacher import OnlineTeacherSpec
 from genrl.data.teacher_videos import codec_fingerprint
 from genrl.flow import add_noise
+from genrl.flow.losses import flow_matching_loss
 from genrl.flow.nft import nft_loss, ref_regularizer
 from genrl.methods.common import (
     Scorer,
@@ -62,6 +63,7 @@ __all__ = ["AFD"]
 _STREAM_SIGMA = 31
 _STREAM_EPS = 32
 _STREAM_TEACHER = 33  # the online teacher's seed: mix_seed(seed, _STREAM_TEACHER)
+_STREAM_FM_SIGMA, _STREAM_FM_EPS = 34, 35  # the teacher flow-matching term's noise levels and noise
 
 
 class AFD(LightningModule):
@@ -105,6 +107,9 @@ class AFD(LightningModule):
         label_smoothing: one-sided BT label smoothing eps in [0, 0.5) of the discriminator.
         advantage_baseline: ``"batch"`` centres the score gaps over the whole batch; ``"group"`` centres each
             prompt's K rollouts on their own mean (std of the batch), so only their ranking counts (needs K >= 2).
+        teacher_fm_weight: weight of an off-policy flow-matching term on the teacher's own clips (teacher-forced,
+            one noise level per chunk drawn like the NFT term's): ``||v_theta(y_sigma) - (eps - y)||^2``. It needs
+            only the teacher's videos (the black-box interface); 0 (default) is AFD as formulated, on-policy only.
         saturation_threshold / saturation_window: warn once when the discriminator's training accuracy stays above
             the threshold for that many consecutive iterations (it then separates every pair, and its gaps rank
             the student's samples by whatever it keys on); ``train/disc_saturated`` logs the state.
@@ -141,6 +146,7 @@ class AFD(LightningModule):
         mismatch_weight: float = 0.0,
         label_smoothing: float = 0.0,
         advantage_baseline: Literal["batch", "group"] = "batch",
+        teacher_fm_weight: float = 0.0,
         saturation_threshold: float = 0.95,
         saturation_window: int = 20,
         student_optimizer: OptimizerCallable = torch.optim.AdamW,
@@ -157,6 +163,8 @@ class AFD(LightningModule):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        if teacher_fm_weight < 0:
+            raise ValueError(f"teacher_fm_weight must be >= 0, got {teacher_fm_weight}")
         if mismatch_weight < 0:
             raise ValueError(f"mismatch_weight must be >= 0, got {mismatch_weight}")
         if advantage_baseline not in ("batch", "group"):
@@ -285,6 +293,18 @@ class AFD(LightningModule):
         return discriminator_advantages(self, self.discriminator, teacher, student, cond_t, cond_s,
                                         h.samples_per_prompt, h.clip_c, self.frame_dim, group)
 
+    def teacher_fm_loss(self, y: torch.Tensor, cond, indices: torch.Tensor, it: int, step: int) -> torch.Tensor:
+        """Flow matching of the causal student on teacher latents ``y`` [B, ...] (teacher-forced, a sigma per chunk
+        addressed by (seed, iteration, teacher clip index, step)): mean of ``||v(y_sigma) - (eps - y)||^2``."""
+        fd, h = self.frame_dim, self.hparams
+        sigma = chunk_noise_levels(self.schedule, indices, mix_seed(h.seed, it), step, _STREAM_FM_SIGMA, y.shape[fd],
+                                   h.sigma_per_chunk, h.sigma_from_schedule).to(y.device)
+        eps = randn_per_sample(y.shape[1:], mix_seed(h.seed, it), indices, step=step, stream=_STREAM_FM_EPS,
+                               device=y.device)
+        v = teacher_forced_velocity(self.generator, y, add_noise(y, eps, sigma, frame_dim=fd), sigma, cond,
+                                    self.schedule.causal).float()
+        return flow_matching_loss(v, y, eps, sigma, frame_dim=fd).mean()
+
     def nft_step_loss(self, x0: torch.Tensor, r: torch.Tensor, cond, indices: torch.Tensor, it: int, step: int):
         """DiffusionNFT loss (+ reference term) on the student's own samples ``x0`` with optimality ``r`` [B]."""
         fd = self.frame_dim
@@ -357,6 +377,10 @@ class AFD(LightningModule):
 
         def nft_unit(step: int):  # the NFT steps accumulate into one optimizer step; stats are already means (weight 0)
             loss, stats = self.nft_step_loss(student, r, cond_s, s_indices, it, step)
+            if h.teacher_fm_weight > 0:
+                fm = self.teacher_fm_loss(teacher, cond_t, indices, it, step)
+                loss = loss + h.teacher_fm_weight * fm
+                stats["teacher_fm"] = fm.detach()
             return loss / h.nft_steps, {k: float(v) / h.nft_steps for k, v in stats.items()}, 0
 
         stats_sum = optimizer_steps(self, opt_s, [[lambda s=s: nft_unit(s) for s in range(h.nft_steps)]],
