@@ -360,3 +360,15 @@ def test_teacher_flow_matching_term_targets_eps_minus_y_and_changes_the_update(m
     assert torch.allclose(model.teacher_fm_loss(y, cond, idx, it=0, step=0), (y ** 2).mean(), rtol=1e-5)
     with pytest.raises(ValueError, match="teacher_fm_weight"):
         type(model)(teacher_fm_weight=-1.0)
+
+
+def test_nft_weight_scales_only_the_on_policy_term(model):
+    x0 = torch.randn(4, 8, 3, 16, 16)
+    cond = model.generator.encode_prompts(["a red circle"] * 2 + ["a blue square"] * 2)
+    r, idx = torch.tensor([0.1, 0.9, 0.5, 0.7]), torch.arange(4)
+    with torch.no_grad():
+        full, stats = model.nft_step_loss(x0, r, cond, idx, it=0, step=0)
+        model.hparams.nft_weight = 0.0
+        ref_only, stats0 = model.nft_step_loss(x0, r, cond, idx, it=0, step=0)
+    assert torch.allclose(full - ref_only, stats["nft_loss"], atol=1e-6) and float(stats["nft_loss"]) > 0
+    assert torch.allclose(ref_only, model.hparams.ref_weight * stats0["ref_reg"], atol=1e-7)

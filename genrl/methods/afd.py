@@ -107,6 +107,8 @@ class AFD(LightningModule):
         label_smoothing: one-sided BT label smoothing eps in [0, 0.5) of the discriminator.
         advantage_baseline: ``"batch"`` centres the score gaps over the whole batch; ``"group"`` centres each
             prompt's K rollouts on their own mean (std of the batch), so only their ranking counts (needs K >= 2).
+        nft_weight: weight of the on-policy DiffusionNFT term (1; 0 leaves only the reference and teacher
+            flow-matching terms: the control that isolates what the discriminator's advantages add).
         teacher_fm_weight: weight of an off-policy flow-matching term on the teacher's own clips (teacher-forced,
             one noise level per chunk drawn like the NFT term's): ``||v_theta(y_sigma) - (eps - y)||^2``. It needs
             only the teacher's videos (the black-box interface); 0 (default) is AFD as formulated, on-policy only.
@@ -146,6 +148,7 @@ class AFD(LightningModule):
         mismatch_weight: float = 0.0,
         label_smoothing: float = 0.0,
         advantage_baseline: Literal["batch", "group"] = "batch",
+        nft_weight: float = 1.0,
         teacher_fm_weight: float = 0.0,
         saturation_threshold: float = 0.95,
         saturation_window: int = 20,
@@ -163,6 +166,8 @@ class AFD(LightningModule):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+        if nft_weight < 0:
+            raise ValueError(f"nft_weight must be >= 0, got {nft_weight}")
         if teacher_fm_weight < 0:
             raise ValueError(f"teacher_fm_weight must be >= 0, got {teacher_fm_weight}")
         if mismatch_weight < 0:
@@ -320,9 +325,10 @@ class AFD(LightningModule):
         v = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
         with torch.no_grad(), self.roles.swap(gen, "old_policy"):
             v_old = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
-        loss = nft_loss(v, v_old, x_t, x0, sigma, r.to(v.device), beta=self.hparams.nft_beta,
-                        clip_c=self.hparams.clip_c, adaptive=self.hparams.adaptive, frame_dim=fd)
-        stats = {"nft_loss": loss.detach()}
+        nft = nft_loss(v, v_old, x_t, x0, sigma, r.to(v.device), beta=self.hparams.nft_beta,
+                       clip_c=self.hparams.clip_c, adaptive=self.hparams.adaptive, frame_dim=fd)
+        stats = {"nft_loss": nft.detach()}
+        loss = self.hparams.nft_weight * nft
         if self.hparams.ref_weight > 0:
             with torch.no_grad(), self.roles.reference(gen):
                 v_ref = teacher_forced_velocity(gen, x0, x_t, sigma, cond, causal).float()
