@@ -67,10 +67,12 @@ def disc_informativeness(ckpt: str, gen, prompts: list[str], world, verifier, sc
     """
     from ar_distill_shapes import sample_student
 
-    from genrl.models.discriminator import VideoDiscriminator
+    from genrl.models.discriminator import TrunkDiscriminator, VideoDiscriminator
 
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
-    disc = VideoDiscriminator(in_channels=3, patch_size=(2, 2, 2), text_dim=384, frame_dim=1)
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state, trunk = saved["state_dict"], saved["hyper_parameters"].get("discriminator_trunk")
+    disc = (TrunkDiscriminator(gen, trunk or None) if trunk is not None
+            else VideoDiscriminator(in_channels=3, patch_size=(2, 2, 2), text_dim=384, frame_dim=1))
     disc.load_state_dict({k_[len("discriminator."):]: v for k_, v in state.items() if k_.startswith("discriminator.")})
     disc.eval()
     rep = [p for p in prompts for _ in range(k)]

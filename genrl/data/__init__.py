@@ -1,6 +1,7 @@
 """LightningDataModules and data IO for genrl (see docs/architecture.md, Layers)."""
 
 from genrl.data.ode_pairs import ODEPairs, ODEPairsDataModule, load_ode_pairs, save_ode_pairs
+from genrl.data.online_teacher import OnlineTeacherSpec, ShapesRendererTeacher, TeacherCache
 from genrl.data.prompts import PromptDataModule, PromptRecord, load_prompts
 from genrl.data.shapes import ShapeSpec, ShapesWorldConfig
 from genrl.data.shapes_datamodule import ShapesDataModule, data_parallel_of, local_batch_size
@@ -39,6 +40,9 @@ __all__ = [
     "save_ode_pairs",
     "CallableTeacher",
     "GeneratorTeacher",
+    "OnlineTeacherSpec",
+    "ShapesRendererTeacher",
+    "TeacherCache",
     "TeacherSource",
     "TeacherVideoDataModule",
     "TeacherVideoStore",
