@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--teacher-clips", type=int, default=256,
+                   help="clips per teacher for its scores and the fd to it (evenly spread over the folder / renderer)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"num_prompts": len(prompts), "seeds": args.seeds, "teachers": {}, "models": {},
               "command": "python benchmarks/afd_shapes.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     fds = {}
+    for k, (p_, v) in list(teachers.items()):  # an evenly spread subset of the clips (every prompt's share)
+        pick = torch.linspace(0, len(v) - 1, min(args.teacher_clips, len(v))).round().long().tolist()
+        teachers[k] = ([p_[i] for i in pick], v[pick])
     for name, (t_prompts, videos) in teachers.items():
         fds[name] = PixelFD(real_videos(world, [t_prompts[i % len(t_prompts)] for i in range(2048)], seed=3000))
         s = _score(verifier, videos, t_prompts)
