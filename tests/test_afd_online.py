@@ -237,6 +237,7 @@ def test_group_baseline_ranks_each_prompts_rollouts(model):
     cond_t = model.generator.encode_prompts(["a red circle", "a blue square"])
     cond_s = cond_t.select([0, 0, 1, 1])
     s_idx = torch.tensor([10, 11, 14, 15])  # prompt slots 5 and 7, K = 2
+    model.hparams.advantage_baseline = "batch"
     d, adv_b, *_ = model.advantages(teacher, student, cond_t, cond_s, s_idx)
     assert torch.allclose(adv_b, centered_advantages(d, clip=model.hparams.clip_c))
     model.hparams.advantage_baseline = "group"

@@ -34,6 +34,7 @@ COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
             "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml",
             "configs/dfot/shapes_wrap.yaml": "configs/dfot/shapes.yaml",
             "configs/afd/strong_teacher.yaml": "configs/pretrain/shapes.yaml",
+            "configs/afd/shapes_strong.yaml": "configs/afd/shapes.yaml",
             "configs/afd/wan2.1_t2v_1.3b_online.yaml": "configs/afd/wan2.1_t2v_1.3b.yaml",
             # trainer profiles (configs/trainer/) are composed after a recipe
             **{f"configs/trainer/{p.name}": "configs/quickstart.yaml"
