@@ -168,11 +168,38 @@ def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
     assert changed == {"generator", "critic"} and int(cli.model.iteration) == 2
 
 
+def _tiny_wan_afd() -> dict:
+    """model.init_args of the Wan AFD configs with tiny random Wan components, a LoRA and a tiny discriminator."""
+    from genrl.testing.families import tiny_generator_spec
+
+    return {"generator": tiny_generator_spec("wan"), "lora": {"rank": 4, "alpha": 4},
+            "discriminator": {"model_class": "genrl.models.discriminator.VideoDiscriminator",
+                              "config": {"in_channels": 16, "patch_size": [1, 2, 2], "hidden_size": 16,
+                                         "num_layers": 1, "num_attention_heads": 2, "text_dim": 32, "frame_dim": 2}},
+            "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
+            "rewards": [{"name": "colorfulness"}]}
+
+
+def _fit_tiny_wan_afd(configs: list[str], override: dict, tmp_path):
+    """Fit ``configs`` + ``override`` through the real CLI; both networks must train for the 2 iterations. Returns
+    (cli, the trainable parameters before)."""
+    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
+    cli = _cli([*(a for c in configs for a in ("--config", str(ROOT / c))), "--config", str(tmp_path / "tiny.yaml")],
+               run=False)
+    cli.model.configure_model()
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if p.requires_grad
+               and not torch.equal(before[n], p.detach())}
+    assert changed == {"generator", "discriminator"} and int(cli.model.iteration) == 2
+    return cli, before
+
+
 def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
     """configs/afd/wan2.1_t2v_1.3b.yaml with tiny random Wan components and a folder of synthetic teacher mp4s:
     the causal Wan student (LoRA) and the discriminator train through the real CLI."""
     from genrl.data.video_io import write_video
-    from genrl.testing.families import TINY_SIZE, tiny_generator_spec
+    from genrl.testing.families import TINY_SIZE
 
     monkeypatch.chdir(tmp_path)
     size = TINY_SIZE["wan"]
@@ -187,27 +214,11 @@ def test_wan_afd_config_trains_on_tiny_components(tmp_path, monkeypatch):
     override = {
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
-        "model": {"init_args": {
-            "generator": tiny_generator_spec("wan"),
-            "lora": {"rank": 4, "alpha": 4},
-            "discriminator": {"model_class": "genrl.models.discriminator.VideoDiscriminator",
-                              "config": {"in_channels": 16, "patch_size": [1, 2, 2], "hidden_size": 16,
-                                         "num_layers": 1, "num_attention_heads": 2, "text_dim": 32, "frame_dim": 2}},
-            "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
-            "rewards": [{"name": "colorfulness"}],
-        }},
+        "model": {"init_args": _tiny_wan_afd()},
         "data": {"init_args": {"folder": str(teacher), "num_frames": size["num_frames"], "height": 16, "width": 16,
                                "prompts_per_batch": 2, "val": "shapes:heldout"}},
     }
-    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
-    cli = _cli(["--config", str(ROOT / "configs/afd/wan2.1_t2v_1.3b.yaml"), "--config", str(tmp_path / "tiny.yaml")],
-               run=False)
-    cli.model.configure_model()
-    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if p.requires_grad
-               and not torch.equal(before[n], p.detach())}
-    assert changed == {"generator", "discriminator"} and int(cli.model.iteration) == 2
+    cli, before = _fit_tiny_wan_afd(["configs/afd/wan2.1_t2v_1.3b.yaml"], override, tmp_path)
     assert all("lora_" in n for n in before if n.startswith("generator."))
 
 
@@ -216,7 +227,7 @@ def test_wan_afd_online_config_trains_with_a_teacher_of_another_family_and_size(
     """configs/afd/wan2.1_t2v_1.3b_online.yaml with tiny random Wan components, and as its online teacher a genrl DiT
     (another family, 16x16 at 8 fps, 8 frames) whose clips are resampled to the Wan student's 16 fps format: two
     iterations through the real CLI, the teacher asked once per prompt variant, its clips and latents cached."""
-    from genrl.testing.families import TINY_SIZE, tiny_generator_spec
+    from genrl.testing.families import TINY_SIZE
 
     monkeypatch.chdir(tmp_path)
     size = TINY_SIZE["wan"]
@@ -224,13 +235,7 @@ def test_wan_afd_online_config_trains_with_a_teacher_of_another_family_and_size(
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
         "model": {"init_args": {
-            "generator": tiny_generator_spec("wan"),
-            "lora": {"rank": 4, "alpha": 4},
-            "discriminator": {"model_class": "genrl.models.discriminator.VideoDiscriminator",
-                              "config": {"in_channels": 16, "patch_size": [1, 2, 2], "hidden_size": 16,
-                                         "num_layers": 1, "num_attention_heads": 2, "text_dim": 32, "frame_dim": 2}},
-            "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
-            "rewards": [{"name": "colorfulness"}],
+            **_tiny_wan_afd(),
             "teacher": {"kind": "generator", "path": tiny_policy, "text_encoder": tiny_text_encoder,
                         "num_frames": size["num_frames"], "height": 16, "width": 16, "fps": 16.0, "steps": 2,
                         "teacher_frames": 8, "teacher_height": 16, "teacher_width": 16, "teacher_fps": 8.0,
@@ -238,16 +243,8 @@ def test_wan_afd_online_config_trains_with_a_teacher_of_another_family_and_size(
         }},
         "data": {"init_args": {"train": "shapes:train", "val": "shapes:heldout", "prompts_per_batch": 2}},
     }
-    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
-    configs = ["configs/afd/wan2.1_t2v_1.3b.yaml", "configs/afd/wan2.1_t2v_1.3b_online.yaml"]
-    cli = _cli([*(a for c in configs for a in ("--config", str(ROOT / c))), "--config", str(tmp_path / "tiny.yaml")],
-               run=False)
-    cli.model.configure_model()
-    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if p.requires_grad
-               and not torch.equal(before[n], p.detach())}
-    assert changed == {"generator", "discriminator"} and int(cli.model.iteration) == 2
+    cli, _ = _fit_tiny_wan_afd(["configs/afd/wan2.1_t2v_1.3b.yaml", "configs/afd/wan2.1_t2v_1.3b_online.yaml"],
+                               override, tmp_path)
     teacher = cli.model.teacher
     assert teacher.queries == 4 and teacher.spec.fps == 16.0  # 2 x 2 distinct prompts, one variant each
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 8  # their clips and their latents

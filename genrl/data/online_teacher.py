@@ -130,12 +130,15 @@ class TeacherCache:
             return list(indices)
         return [mix_seed(seed, int(i), _STREAM_VARIANT) % self.variants for i in indices]
 
+    def _file(self, key: str) -> Path:
+        return self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.pt"
+
     def _get(self, key: str) -> torch.Tensor | None:
         if key in self._mem:
             return self._mem[key]
         if self.cache_dir is None:
             return None
-        path = self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.pt"
+        path = self._file(key)
         if not path.is_file():
             return None
         data = torch.load(path, map_location="cpu", weights_only=True)
@@ -150,8 +153,8 @@ class TeacherCache:
         if self.memory:
             self._mem[key] = tensor
         if self.cache_dir is not None:
-            path = self.cache_dir / f"{hashlib.sha256(key.encode()).hexdigest()[:40]}.pt"
-            atomic_write(path, lambda tmp: torch.save({"format": _CACHE_FORMAT, "key": key, "tensor": tensor}, tmp))
+            entry = {"format": _CACHE_FORMAT, "key": key, "tensor": tensor}
+            atomic_write(self._file(key), lambda tmp: torch.save(entry, tmp))
 
     def _query(self, prompts: list[str], seed: int, idx: list[int]) -> torch.Tensor:
         self.queries += len(prompts)

@@ -166,12 +166,10 @@ class AFD(LightningModule):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-        if nft_weight < 0:
-            raise ValueError(f"nft_weight must be >= 0, got {nft_weight}")
-        if teacher_fm_weight < 0:
-            raise ValueError(f"teacher_fm_weight must be >= 0, got {teacher_fm_weight}")
-        if mismatch_weight < 0:
-            raise ValueError(f"mismatch_weight must be >= 0, got {mismatch_weight}")
+        for name, value in (("nft_weight", nft_weight), ("teacher_fm_weight", teacher_fm_weight),
+                            ("mismatch_weight", mismatch_weight)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if advantage_baseline not in ("batch", "group"):
             raise ValueError(f"advantage_baseline must be 'batch' or 'group', got {advantage_baseline!r}")
         if advantage_baseline == "group" and samples_per_prompt < 2:
