@@ -289,8 +289,8 @@ def test_check_saturation_window(model):
     model._recent_acc = deque(maxlen=3)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        flags = [model.check_saturation(a) for a in (1.0, 1.0, 0.9, 1.0, 1.0, 0.97, 1.0)]
-    assert flags == [False, False, False, False, False, True, True]
+        flags = [model.check_saturation(a) for a in (1.0, 1.0, 0.8, 1.0, 1.0, 0.94, 1.0)]
+    assert flags == [False, False, False, False, False, True, True]  # window means .93 .93 .93 .98 .98
     assert sum("AFD: the discriminator" in str(w.message) for w in seen) == 1
     assert not math.isnan(model.hparams.saturation_threshold)
 
