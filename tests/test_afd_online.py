@@ -191,6 +191,7 @@ def test_afd_with_an_online_teacher_resumes_exactly(tmp_path, monkeypatch, tiny_
     _cli(tiny_policy, tiny_text_encoder, args + ["--trainer.max_steps=1"])
     resumed = _cli(tiny_policy, tiny_text_encoder, args + ["--ckpt_path=last"])
     assert int(resumed.model.iteration) == 3
+    assert list(resumed.model._recent_acc) == list(full.model._recent_acc) and len(full.model._recent_acc) == 3
     for k, v in resumed.model.state_dict().items():
         if torch.is_tensor(v):
             assert torch.allclose(v.float(), final[k].float(), atol=1e-6), k

@@ -1,7 +1,8 @@
 """AFD: adversarial flow distillation of a causal student from a black-box teacher's finished videos.
 
-Only the teacher's videos for the training prompts are used (an mp4 folder, :class:`genrl.data.TeacherVideoDataModule`):
-no teacher scores, latents or step alignment. The paper (arXiv 2605.26105) has no public code; this follows the
+Only the teacher's videos for the training prompts are used (an mp4 folder, :class:`genrl.data.TeacherVideoDataModule`,
+or an online black-box teacher queried on each batch's prompts, ``teacher:``, :mod:`genrl.data.online_teacher`): no
+teacher scores, latents or step alignment. The paper (arXiv 2605.26105) has no public code; this follows the
 formulation of docs/methods/distillation.md ("AFD"), derived from its abstract and DiffusionNFT (Zheng et al. 2025).
 Each iteration: (1) roll the student out K times per prompt (shared chunk-wise sampler, no gradient); (2) train a
 prompt-conditioned discriminator D with the Bradley-Terry loss softplus(-(D(teacher) - D(student))) (+ R1 / R2,
@@ -263,11 +264,20 @@ class AFD(LightningModule):
                 f"AFD: the discriminator was right on more than {h.saturation_threshold:.0%} of (teacher, student) "
                 f"pairs on average over the last {h.saturation_window} iterations (last {accuracy:.3f}); its score "
                 f"gaps now rank the student's samples by whatever it keys on. Knobs: disc_noise_max (instance noise, "
-                f"now "
-                f"{h.disc_noise_max}), r1_weight / r2_weight (now {h.r1_weight} / {h.r2_weight}), mismatch_weight "
+                f"now {h.disc_noise_max}), r1_weight / r2_weight (now {h.r1_weight} / {h.r2_weight}), mismatch_weight "
                 f"(now {h.mismatch_weight}), label_smoothing (now {h.label_smoothing}), discriminator_steps (now "
                 f"{h.discriminator_steps}) and the discriminator's learning rate (docs/methods/distillation.md, AFD).")
         return saturated
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The saturation monitor's window and whether it warned travel with the checkpoint (exact resume)."""
+        checkpoint["afd_saturation"] = {"recent": list(self._recent_acc), "warned": self._saturation_warned}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("afd_saturation") or {}
+        self._recent_acc.clear()
+        self._recent_acc.extend(state.get("recent", []))
+        self._saturation_warned = bool(state.get("warned", False))
 
     def teacher_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """Teacher clips (pixels [B, T, 3, H, W] in [0, 1], already in the student's format) -> latents."""
