@@ -374,3 +374,19 @@ def test_nft_weight_scales_only_the_on_policy_term(model):
         ref_only, stats0 = model.nft_step_loss(x0, r, cond, idx, it=0, step=0)
     assert torch.allclose(full - ref_only, stats["nft_loss"], atol=1e-6) and float(stats["nft_loss"]) > 0
     assert torch.allclose(ref_only, model.hparams.ref_weight * stats0["ref_reg"], atol=1e-7)
+
+
+def test_teacher_flow_matching_weight_changes_only_the_students_update(tmp_path, monkeypatch, tiny_policy,
+                                                                       tiny_text_encoder):
+    """One iteration with teacher_fm_weight 0 and 5: the discriminator's step (before the student's) is identical,
+    the student's differs."""
+    states = {}
+    for w in (0.0, 5.0):
+        (tmp_path / str(w)).mkdir()
+        monkeypatch.chdir(tmp_path / str(w))
+        cli = _cli(tiny_policy, tiny_text_encoder, ["--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+                                                    f"--model.init_args.teacher_fm_weight={w}"])
+        states[w] = {k: v.clone() for k, v in cli.model.state_dict().items() if torch.is_tensor(v)}
+    a, b = states[0.0], states[5.0]
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("discriminator."))
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("generator."))
