@@ -260,8 +260,8 @@ def _fit_with_planted_scores(tiny_policy, tiny_text_encoder, planted, monkeypatc
     monkeypatch.setattr(VideoDiscriminator, "score", score)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        _cli(tiny_policy, tiny_text_encoder, ["--trainer.max_steps=4", "--trainer.limit_val_batches=0",
-                                              "--model.init_args.saturation_window=3",
+        _cli(tiny_policy, tiny_text_encoder, ["--trainer.max_steps=3", "--trainer.limit_val_batches=0",
+                                              "--model.init_args.saturation_window=2",
                                               "--model.init_args.disc_noise_max=0", "--model.init_args.r1_weight=0"])
     return [str(w.message) for w in seen if "AFD: the discriminator" in str(w.message)]
 
