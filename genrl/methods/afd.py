@@ -20,18 +20,15 @@ resumed run repeats an uninterrupted one.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
 
 from genrl.data.online_teacher import OnlineTeacherSpec
 from genrl.data.teacher_videos import codec_fingerprint
 from genrl.flow import add_noise
-from genrl.flow.losses import flow_matching_loss
 from genrl.flow.nft import nft_loss, ref_regularizer
 from genrl.methods.common import (
     Scorer,
@@ -43,12 +40,14 @@ from genrl.methods.common import (
     role_optimizers,
 )
 from genrl.methods.distill import (
+    SaturationMonitor,
     causal_videos,
     chunk_noise_levels,
     configure_student,
     discriminator_advantages,
     discriminator_loss,
     student_rollout,
+    teacher_forced_fm_loss,
 )
 from genrl.methods.phases import optimizer_steps
 from genrl.models.discriminator import TrunkDiscriminator, VideoDiscriminator
@@ -64,7 +63,6 @@ __all__ = ["AFD"]
 _STREAM_SIGMA = 31
 _STREAM_EPS = 32
 _STREAM_TEACHER = 33  # the online teacher's seed: mix_seed(seed, _STREAM_TEACHER)
-_STREAM_FM_SIGMA, _STREAM_FM_EPS = 34, 35  # the teacher flow-matching term's noise levels and noise
 
 
 class AFD(LightningModule):
@@ -179,8 +177,6 @@ class AFD(LightningModule):
         if discriminator_trunk is not None and (discriminator is not None or r1_weight > 0 or r2_weight > 0):
             raise ValueError("discriminator_trunk builds the discriminator on the student's own trunk: drop the "
                              "discriminator spec and set r1_weight = r2_weight = 0 (no double backward through it)")
-        if saturation_window < 1:
-            raise ValueError(f"saturation_window must be >= 1, got {saturation_window}")
         if not 0 <= old_decay_max < 1 or old_decay_ramp < 0:
             raise ValueError(f"need 0 <= old_decay_max < 1 and old_decay_ramp >= 0, got {old_decay_max}, "
                              f"{old_decay_ramp}")
@@ -196,8 +192,7 @@ class AFD(LightningModule):
         self.discriminator = None
         self.old_policy = None
         self.teacher_spec, self.teacher = teacher, None
-        self._recent_acc: deque[float] = deque(maxlen=saturation_window)
-        self._saturation_warned = False
+        self.saturation = SaturationMonitor("AFD", saturation_threshold, saturation_window)
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self.scorer = Scorer(rewards, reward_combine)
         self.roles = Roles(self)
@@ -251,33 +246,19 @@ class AFD(LightningModule):
         return lat.to(self.device)
 
     def check_saturation(self, accuracy: float) -> bool:
-        """Record one iteration's discriminator accuracy; True (and one warning per run) when the mean of the last
-        ``saturation_window`` accuracies is above ``saturation_threshold`` (a mean, not every value: with 16 pairs
-        per iteration a single wrong pair gives 0.94)."""
+        """Record one iteration's discriminator accuracy (:class:`~genrl.methods.distill.SaturationMonitor`); True,
+        and one warning per run naming the knobs, when the window's mean is above ``saturation_threshold``."""
         h = self.hparams
-        self._recent_acc.append(float(accuracy))
-        saturated = (len(self._recent_acc) == h.saturation_window
-                     and sum(self._recent_acc) / h.saturation_window > h.saturation_threshold)
-        if saturated and not self._saturation_warned:
-            self._saturation_warned = True
-            rank_zero_warn(
-                f"AFD: the discriminator was right on more than {h.saturation_threshold:.0%} of (teacher, student) "
-                f"pairs on average over the last {h.saturation_window} iterations (last {accuracy:.3f}); its score "
-                f"gaps now rank the student's samples by whatever it keys on. Knobs: disc_noise_max (instance noise, "
-                f"now {h.disc_noise_max}), r1_weight / r2_weight (now {h.r1_weight} / {h.r2_weight}), mismatch_weight "
-                f"(now {h.mismatch_weight}), label_smoothing (now {h.label_smoothing}), discriminator_steps (now "
-                f"{h.discriminator_steps}) and the discriminator's learning rate (docs/methods/distillation.md, AFD).")
-        return saturated
+        return self.saturation.update(accuracy, lambda: (
+            f"disc_noise_max (instance noise, now {h.disc_noise_max}), r1_weight / r2_weight (now {h.r1_weight} / "
+            f"{h.r2_weight}), mismatch_weight (now {h.mismatch_weight}), label_smoothing (now {h.label_smoothing}), "
+            f"discriminator_steps (now {h.discriminator_steps}) and the discriminator's learning rate"))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """The saturation monitor's window and whether it warned travel with the checkpoint (exact resume)."""
-        checkpoint["afd_saturation"] = {"recent": list(self._recent_acc), "warned": self._saturation_warned}
+        checkpoint["afd_saturation"] = self.saturation.state_dict()  # exact resume of the warning's window
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        state = checkpoint.get("afd_saturation") or {}
-        self._recent_acc.clear()
-        self._recent_acc.extend(state.get("recent", []))
-        self._saturation_warned = bool(state.get("warned", False))
+        self.saturation.load_state_dict(checkpoint.get("afd_saturation") or {})
 
     def teacher_latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """Teacher clips (pixels [B, T, 3, H, W] in [0, 1], already in the student's format) -> latents."""
@@ -310,16 +291,11 @@ class AFD(LightningModule):
                                         h.samples_per_prompt, h.clip_c, self.frame_dim, group)
 
     def teacher_fm_loss(self, y: torch.Tensor, cond, indices: torch.Tensor, it: int, step: int) -> torch.Tensor:
-        """Flow matching of the causal student on teacher latents ``y`` [B, ...] (teacher-forced, a sigma per chunk
-        addressed by (seed, iteration, teacher clip index, step)): mean of ``||v(y_sigma) - (eps - y)||^2``."""
-        fd, h = self.frame_dim, self.hparams
-        sigma = chunk_noise_levels(self.schedule, indices, mix_seed(h.seed, it), step, _STREAM_FM_SIGMA, y.shape[fd],
-                                   h.sigma_per_chunk, h.sigma_from_schedule).to(y.device)
-        eps = randn_per_sample(y.shape[1:], mix_seed(h.seed, it), indices, step=step, stream=_STREAM_FM_EPS,
-                               device=y.device)
-        v = teacher_forced_velocity(self.generator, y, add_noise(y, eps, sigma, frame_dim=fd), sigma, cond,
-                                    self.schedule.causal).float()
-        return flow_matching_loss(v, y, eps, sigma, frame_dim=fd).mean()
+        """Flow matching of the student on teacher latents ``y`` (:func:`~genrl.methods.distill.teacher_forced_fm_loss`,
+        addressed by (seed, iteration, teacher clip index, step))."""
+        h = self.hparams
+        return teacher_forced_fm_loss(self.generator, self.schedule, y, cond, indices, mix_seed(h.seed, it), step,
+                                      h.sigma_per_chunk, h.sigma_from_schedule, self.frame_dim)
 
     def nft_step_loss(self, x0: torch.Tensor, r: torch.Tensor, cond, indices: torch.Tensor, it: int, step: int):
         """DiffusionNFT loss (+ reference term) on the student's own samples ``x0`` with optimality ``r`` [B]."""

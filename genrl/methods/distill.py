@@ -8,16 +8,19 @@ docs/methods/distillation.md describes the methods; docs/new_method.md how they 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from genrl.flow import add_noise, x0_from_velocity
 from genrl.flow.dmd import gan_discriminator_loss, sample_dmd_sigma
 from genrl.flow.guidance import cfg_combine
+from genrl.flow.losses import flow_matching_loss
 from genrl.flow.nft import advantage_to_r, bt_loss, centered_advantages, r1_penalty, r2_penalty
 from genrl.methods.common import build_student, gather_batch, rank_slice, trainer_of
 from genrl.models.compile import is_compiled
@@ -25,12 +28,13 @@ from genrl.models.roles import swapped_transformer
 from genrl.models.text_encoder import Conditioning
 from genrl.models.trunk import trunk_adapter
 from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
-from genrl.rollout.autoregressive import ARResult, ChunkSchedule, ar_rollout, sample_exit_step
+from genrl.rollout.autoregressive import ARResult, ChunkSchedule, ar_rollout, sample_exit_step, teacher_forced_velocity
 
-__all__ = ["CAUSAL_INTERFACE", "ScoreRole", "causal_samples", "causal_videos", "chunk_noise_levels", "negative_cond",
-           "configure_student", "discriminator_advantages", "discriminator_loss", "dmd_noised", "exit_step_of",
+__all__ = ["CAUSAL_INTERFACE", "SaturationMonitor", "ScoreRole", "causal_samples", "causal_videos",
+           "chunk_noise_levels", "negative_cond", "configure_student", "discriminator_advantages",
+           "discriminator_loss", "dmd_noised", "exit_step_of",
            "gan_critic_term", "gan_layers_for", "paired_instance_noise", "real_x0", "student_rollout",
-           "teacher_gan_logits"]
+           "teacher_forced_fm_loss", "teacher_gan_logits"]
 
 #: what a causal student generator provides (genrl's DiT, the ``wan_causal`` family): the KV cache, one chunk's
 #: velocity against it, and the context pass that commits a finished chunk.
@@ -38,6 +42,8 @@ CAUSAL_INTERFACE = ("init_cache", "velocity_chunk", "commit")
 
 # random streams of the paired instance noise (:func:`paired_instance_noise`)
 _STREAM_PAIR_SIGMA, _STREAM_PAIR_TEACHER, _STREAM_PAIR_STUDENT = 41, 42, 43
+# random streams of the teacher flow-matching term (:func:`teacher_forced_fm_loss`): noise levels and noise
+_STREAM_FM_SIGMA, _STREAM_FM_EPS = 34, 35
 
 
 def configure_student(method: LightningModule, build=build_student):
@@ -241,6 +247,69 @@ def discriminator_advantages(module: LightningModule, discriminator: nn.Module, 
     adv = rank_slice(module, centered_advantages(gather_batch(module, d), clip=clip_c, group=g,
                                                  std="global"), len(d)).to(d.device)
     return d, adv, advantage_to_r(adv, clip_c).to(d.device), s_x, s_y
+
+
+class SaturationMonitor:
+    """Watches a discriminator's training accuracy and warns once when it saturates.
+
+    ``update(accuracy)`` keeps the last ``window`` accuracies (each in [0, 1]); it returns True when the window is
+    full and its *mean* is above ``threshold`` (a mean, not every value: with 16 pairs per iteration one wrong pair
+    gives 0.94), and the first time it does, it warns once (``rank_zero_warn``) naming ``knobs()``. A saturated
+    discriminator separates nearly every (teacher, student) pair, so its score gaps rank the student's samples by
+    whatever it keys on (docs/methods/distillation.md, AFD). ``state_dict`` / ``load_state_dict`` carry the window
+    and the warned flag through a checkpoint.
+
+    Raises:
+        ValueError: ``window < 1``.
+    """
+
+    def __init__(self, name: str, threshold: float = 0.95, window: int = 20) -> None:
+        if window < 1:
+            raise ValueError(f"saturation_window must be >= 1, got {window}")
+        self.name, self.threshold, self.window = name, float(threshold), int(window)
+        self.recent: deque[float] = deque(maxlen=self.window)
+        self.warned = False
+
+    def update(self, accuracy: float, knobs=lambda: "") -> bool:
+        self.recent.append(float(accuracy))
+        saturated = len(self.recent) == self.window and sum(self.recent) / self.window > self.threshold
+        if saturated and not self.warned:
+            self.warned = True
+            rank_zero_warn(
+                f"{self.name}: the discriminator was right on more than {self.threshold:.0%} of (teacher, student) "
+                f"pairs on average over the last {self.window} iterations (last {accuracy:.3f}); its score gaps now "
+                f"rank the student's samples by whatever it keys on. Knobs: {knobs()} "
+                f"(docs/methods/distillation.md, AFD).")
+        return saturated
+
+    def state_dict(self) -> dict:
+        return {"recent": list(self.recent), "warned": self.warned}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent.clear()
+        self.recent.extend(state.get("recent", []))
+        self.warned = bool(state.get("warned", False))
+
+
+def teacher_forced_fm_loss(generator, schedule: ChunkSchedule, y: torch.Tensor, cond: Conditioning,
+                           indices: torch.Tensor, seed: int, step: int, per_chunk: bool = True,
+                           from_schedule: bool = True, frame_dim: int = 1) -> torch.Tensor:
+    """Flow matching of a causal student on clean videos ``y`` [B, T, ...] (e.g. a black-box teacher's latents):
+    one noise level per chunk (:func:`chunk_noise_levels`), eps ~ N(0, I), y_sigma = (1 - sigma) y + sigma eps, the
+    teacher-forced velocity (clean earlier chunks as context,
+    :func:`~genrl.rollout.autoregressive.teacher_forced_velocity`) regressed on eps - y (Lipman et al. 2023, eq. 9).
+    Draws addressed by (seed, sample index, step). Returns the mean of :func:`~genrl.flow.losses.flow_matching_loss`,
+    a 0-d float32 tensor with graph in the generator.
+
+    Raises:
+        ValueError: the frames do not split into chunks.
+    """
+    sigma = chunk_noise_levels(schedule, indices, seed, step, _STREAM_FM_SIGMA, y.shape[frame_dim], per_chunk,
+                               from_schedule).to(y.device)
+    eps = randn_per_sample(y.shape[1:], seed, indices, step=step, stream=_STREAM_FM_EPS, device=y.device)
+    v = teacher_forced_velocity(generator, y, add_noise(y, eps, sigma, frame_dim=frame_dim), sigma, cond,
+                                schedule.causal).float()
+    return flow_matching_loss(v, y, eps, sigma, frame_dim=frame_dim).mean()
 
 
 def paired_instance_noise(teacher: torch.Tensor, student: torch.Tensor, samples_per_prompt: int, max_sigma: float,
