@@ -4,8 +4,6 @@ prompt switch, Self-Forcing truncation and the rank-0 exit step, on a tiny float
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
@@ -23,36 +21,17 @@ from genrl.rollout.autoregressive import (
     switch_prompt,
     teacher_forced_velocity,
 )
+from genrl.testing.causal import HashEncoder, tiny_causal_dit
 
 C, H, W = 4, 4, 4
 FRAME = (C, H, W)
 
 
-class _HashEncoder(torch.nn.Module):
-    """Deterministic per-prompt text states (float64 [B, 5, 8]); stands in for a text encoder."""
-
-    hidden_size = 8
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.anchor = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
-
-    def forward(self, prompts):
-        states = []
-        for p in prompts:
-            seed = int(hashlib.sha256(p.encode()).hexdigest()[:8], 16)
-            states.append(torch.randn(5, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
-        return Conditioning(torch.stack(states), torch.ones(len(prompts), 5, dtype=torch.bool), list(prompts))
+_HashEncoder = HashEncoder
 
 
 def _dit(rope: int = 0, seed: int = 0) -> VideoDiT:
-    torch.manual_seed(seed)
-    m = VideoDiT(in_channels=C, patch_size=(2, 2, 2), hidden_size=32, num_layers=2, num_attention_heads=2, text_dim=8,
-                 causal_chunk_size=2, rope_temporal_dim=rope).double()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0.0, 0.2)  # non-zero output layers: outputs depend on everything they may see
-    return m.eval()
+    return tiny_causal_dit(C, rope, seed)
 
 
 def _gen(rope: int = 0) -> DiTGenerator:

@@ -10,7 +10,9 @@ Sources :func:`load_prompts` understands:
 * ``"shapes:train"`` / ``"shapes:heldout"`` (and ``"shapes:all"``): every distinct single-step caption of the
   shapes world's split, in a fixed order (combinations in config order, then speeds in config order; a
   still combination has one caption); metadata are the :class:`~genrl.data.shapes.ShapeSpec` fields
-  (``directions`` as a list).
+  (``directions`` as a list). ``"shapes:<split>:steps2"`` / ``":steps3"``: every two- / three-segment caption
+  ("a red circle moves right, then moves up") of moving directions, consecutive ones distinct; held out iff one
+  of its (color, shape, direction) combinations is (TempAct's step plans, docs/methods/tempact.md).
 * ``"vbench"``, ``"geneval"``, ``"ocr"``: the suites shipped in the repository's ``assets/prompts/`` (see its
   README for sources and licences); ``"vbench:<dimension>"``: VBench's prompts for one dimension.
 
@@ -93,7 +95,30 @@ class PromptRecord:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def _multi_step_records(split: str, world: ShapesWorldConfig, steps: int) -> list[PromptRecord]:
+    """Every ``steps``-segment caption of moving directions, consecutive directions distinct, in config order; held
+    out iff one of its (color, shape, direction) combinations is held out (train: none is)."""
+    import itertools
+
+    held = set(heldout_combos(world))
+    moving = [d for d in world.directions if d != "still"]
+    out = []
+    for c in world.colors:
+        for s in world.shapes:
+            for dirs in itertools.product(moving, repeat=steps):
+                if any(a == b for a, b in zip(dirs, dirs[1:])):
+                    continue
+                is_held = any((c, s, d) in held for d in dirs)
+                if split == "all" or is_held == (split == "heldout"):
+                    spec = ShapeSpec(c, s, dirs)
+                    out.append(PromptRecord(caption(spec), asdict(spec) | {"directions": list(dirs)}))
+    return out
+
+
 def _shapes_records(split: str, world: ShapesWorldConfig) -> list[PromptRecord]:
+    if ":steps" in split:  # "train:steps2": multi-step captions
+        base, _, n = split.partition(":steps")
+        return _multi_step_records(base, world, int(n))
     held = set(heldout_combos(world))
     pool = [c for c in combos(world) if split == "all" or ((c in held) == (split == "heldout"))]
     out = []
@@ -212,9 +237,11 @@ def load_prompts(
     source = os.fspath(path)
     if source.startswith(_SHAPES_PREFIX):
         split = source[len(_SHAPES_PREFIX) :]
-        if split not in ("train", "heldout", "all"):
+        base, _, steps = split.partition(":steps")
+        if base not in ("train", "heldout", "all") or (":" in split and steps not in ("2", "3")):
             raise ValueError(
-                f"unknown shapes split in {source!r}; use 'shapes:train', 'shapes:heldout' or 'shapes:all'"
+                f"unknown shapes split in {source!r}; use 'shapes:train', 'shapes:heldout' or 'shapes:all', or "
+                f"'shapes:<split>:steps2' / ':steps3' for two- / three-step captions"
             )
         world = world if world is not None else ShapesWorldConfig()
         records = _shapes_records(split, world)

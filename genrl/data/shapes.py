@@ -37,7 +37,13 @@ Captions (``caption`` / ``parse_caption`` are exact inverses):
   rendered at the mean of the configured speeds);
 * two steps:    ``"a red circle moves right, then moves up"`` / ``"..., then stays still"``: the first half of
   the frames follows direction 1, the second half direction 2, at the mean speed;
+* three steps:  ``"a red circle moves right, then moves up, then moves left"`` (opt-in,
+  ``ShapesWorldConfig.max_segments = 3``): the frames split into three as-even-as-possible contiguous segments
+  (:func:`segment_spans`), each following its direction at the mean speed;
 * image mode (``num_frames = 1``): ``"a red circle"``.
+
+:func:`step_captions` splits a multi-step caption into the single-step caption of each segment ("a red circle moving
+right", "a red circle moving up"): the world's ground-truth plan; :func:`segment_spans` gives the frames of each.
 
 Held-out split: a fixed (seed-independent) set of (color, shape, direction) combinations, about
 ``heldout_fraction`` of all of them, chosen by a stable hash of their names such that every single
@@ -69,6 +75,10 @@ __all__ = [
     "Split",
     "caption",
     "parse_caption",
+    "step_captions",
+    "segment_spans",
+    "turn_points",
+    "MAX_SEGMENTS",
     "render",
     "trajectory",
     "BOUNDARIES",
@@ -121,6 +131,9 @@ DIRECTION_VECTORS: dict[str, tuple[float, float]] = {
 #: Known speed names and the adverb captions use for them.
 SPEED_ADVERBS: dict[str, str] = {"slow": "slowly", "medium": "steadily", "fast": "quickly"}
 
+#: The most motion segments a caption may have ("..., then moves up, then moves left").
+MAX_SEGMENTS = 3
+
 #: Known frame boundaries: "inside" (the path stays inside the frame) and "wrap" (the frame is a torus).
 BOUNDARIES: tuple[str, ...] = ("inside", "wrap")
 
@@ -150,8 +163,13 @@ class ShapesWorldConfig:
         speeds: speed name (a key of :data:`SPEED_ADVERBS`) -> pixels per frame at this resolution, > 0 and
             distinct. Captions say "slowly" / "steadily" / "quickly". Not rescaled with resolution.
         object_size: side of the shape's bounding box in pixels (2 <= size <= min(height, width)).
-        multi_step_prob: fraction of video captions with two motion segments (needs num_frames >= 4 and two
+        multi_step_prob: fraction of video captions with several motion segments (needs num_frames >= 4 and two
             directions when > 0; ignored in image mode).
+        max_segments: the most motion segments of a multi-step caption, 2 or 3 (:data:`MAX_SEGMENTS`). ``2`` (the
+            default) samples two-segment captions exactly as before this field existed (same draws, same captions,
+            same videos); ``3`` draws the number of segments of each multi-step caption uniformly in {2, 3} (one
+            extra ``torch.randint`` draw) and needs ``num_frames >= 6`` (two frames per segment) when
+            ``multi_step_prob > 0``.
         heldout_fraction: fraction of (color, shape, direction) combinations held out of training, in [0, 0.5].
         boundary: one of :data:`BOUNDARIES`. ``"inside"``: every frame's bounding box stays inside the frame (the
             start is drawn among the positions that keep it there). ``"wrap"``: the frame is a torus (x modulo
@@ -163,8 +181,9 @@ class ShapesWorldConfig:
         ValueError: an unknown or duplicated word (the message names it and lists the known ones), a
             non-positive or duplicated speed, an object larger than the frame, a motion path that leaves the
             frame on an ``"inside"`` world (``(num_frames - 1) * max(speeds) + object_size > min(height,
-            width)``), a probability / fraction out of range, or an unknown ``boundary`` (named with the known
-            ones).
+            width)``), a probability / fraction out of range, an unknown ``boundary`` (named with the known
+            ones), ``max_segments`` not an int in [2, 3], or ``max_segments=3`` with ``multi_step_prob > 0`` and
+            fewer than 6 frames.
     """
 
     height: int = 16
@@ -178,6 +197,7 @@ class ShapesWorldConfig:
     multi_step_prob: float = 0.2
     heldout_fraction: float = 0.15
     boundary: str = "inside"
+    max_segments: int = 2
 
     def __post_init__(self) -> None:
         self.colors = [str(c).lower() for c in self.colors]
@@ -210,6 +230,12 @@ class ShapesWorldConfig:
                 f"unknown boundary {self.boundary!r} in ShapesWorldConfig; known boundaries: {', '.join(BOUNDARIES)} "
                 f"('inside': the path stays inside the frame, 'wrap': the frame is a torus)"
             )
+        if (isinstance(self.max_segments, bool) or not isinstance(self.max_segments, int)
+                or not 2 <= self.max_segments <= MAX_SEGMENTS):
+            raise ValueError(
+                f"ShapesWorldConfig.max_segments must be an int in [2, {MAX_SEGMENTS}] (the most motion segments of a "
+                f"multi-step caption), got {self.max_segments!r}"
+            )
         if self.image_mode:
             return
         for name in self.speeds:
@@ -239,6 +265,12 @@ class ShapesWorldConfig:
                 )
             if len(self.directions) < 2:
                 raise ValueError("multi-step captions need at least two directions; set multi_step_prob=0")
+            if self.max_segments * 2 > self.num_frames:
+                raise ValueError(
+                    f"max_segments={self.max_segments} needs num_frames >= {2 * self.max_segments} (two frames per "
+                    f"segment), got num_frames={self.num_frames}; raise num_frames, lower max_segments or set "
+                    f"multi_step_prob=0"
+                )
 
     @property
     def image_mode(self) -> bool:
@@ -267,12 +299,12 @@ class ShapeSpec:
         color: a color word.
         shape: a shape word.
         directions: ``()`` in image mode (or for a caption that states no motion), one direction for a
-            single-step caption, two for a multi-step caption.
+            single-step caption, two or three (:data:`MAX_SEGMENTS`) for a multi-step caption.
         speed: a speed name for a moving single-step caption that states one; ``None`` when still,
             multi-step, image mode, or unstated (rendered at the mean speed).
 
     Raises:
-        ValueError: more than two directions, or a speed with a still / multi-step / motionless spec.
+        ValueError: more than three directions, or a speed with a still / multi-step / motionless spec.
     """
 
     color: str
@@ -282,8 +314,8 @@ class ShapeSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directions", tuple(self.directions))
-        if len(self.directions) > 2:
-            raise ValueError(f"a ShapeSpec has at most two motion segments, got {self.directions}")
+        if len(self.directions) > MAX_SEGMENTS:
+            raise ValueError(f"a ShapeSpec has at most {MAX_SEGMENTS} motion segments, got {self.directions}")
         if self.speed is not None and (len(self.directions) != 1 or self.directions[0] == "still"):
             raise ValueError(
                 f"speed {self.speed!r} only applies to a single moving segment, got directions {self.directions}"
@@ -291,8 +323,8 @@ class ShapeSpec:
 
     @property
     def multi_step(self) -> bool:
-        """True for two motion segments."""
-        return len(self.directions) == 2
+        """True for two or more motion segments."""
+        return len(self.directions) >= 2
 
 
 # Plain-value dataclasses: allow them in checkpoints loaded with torch.load(weights_only=True).
@@ -320,10 +352,11 @@ def caption(spec: ShapeSpec) -> str:
             raise ValueError(f"unknown speed {spec.speed!r}; known speeds: {', '.join(SPEED_ADVERBS)}")
         return f"{base} moving {d} {SPEED_ADVERBS[spec.speed]}"
     segs = ["stays still" if d == "still" else f"moves {d}" for d in spec.directions]
-    return f"{base} {segs[0]}, then {segs[1]}"
+    return f"{base} " + ", then ".join(segs)
 
 
-_FORMS = "'a red circle moving left slowly', 'a red circle staying still', 'a red circle moves right, then moves up'"
+_FORMS = ("'a red circle moving left slowly', 'a red circle staying still', 'a red circle moves right, then moves up'"
+          " (up to three segments: '..., then moves up, then moves left')")
 
 
 def parse_caption(text: str, config: ShapesWorldConfig | None = None) -> ShapeSpec:
@@ -390,28 +423,108 @@ def parse_caption(text: str, config: ShapesWorldConfig | None = None) -> ShapeSp
             )
         return ShapeSpec(color, shape, (d,), by_adverb[rest[2]])
     if "," in rest:
-        i = rest.index(",")
-        first, second = rest[:i], rest[i + 1 :]
-        if second[:1] != ["then"]:
-            raise malformed("two segments are joined by ', then'")
-        return ShapeSpec(color, shape, (segment(first), segment(second[1:])))
+        parts: list[list[str]] = [[]]
+        for word in rest:
+            if word == ",":
+                parts.append([])
+            else:
+                parts[-1].append(word)
+        if any(p[:1] != ["then"] for p in parts[1:]):
+            raise malformed("segments are joined by ', then'")
+        if len(parts) > MAX_SEGMENTS:
+            raise malformed(f"{len(parts)} segments; a caption has at most {MAX_SEGMENTS}")
+        return ShapeSpec(color, shape, tuple(segment(p if i == 0 else p[1:]) for i, p in enumerate(parts)))
     raise malformed(f"cannot read the motion {' '.join(rest)!r}")
+
+
+def step_captions(text: str, config: ShapesWorldConfig | None = None) -> list[str]:
+    """The shapes world's ground-truth plan of a caption: the single-step caption of each motion segment.
+
+    ``"a red circle moves right, then moves up"`` -> ``["a red circle moving right", "a red circle moving up"]``;
+    a ``"stays still"`` segment gives ``"a red circle staying still"``. Each step caption is the world's single-step
+    form with no speed stated (rendered at the mean speed, the speed of every multi-step segment). A single-step,
+    still or image-mode caption is its own one-step plan: ``[text]``, unchanged.
+
+    Args:
+        text: a caption of the world (any form :func:`parse_caption` reads).
+        config: the world whose vocabulary is allowed (default: ``ShapesWorldConfig()``).
+
+    Returns:
+        One caption per segment, in order (1 to :data:`MAX_SEGMENTS` strings).
+
+    Raises:
+        ValueError: as :func:`parse_caption` (unknown word, malformed caption).
+    """
+    spec = parse_caption(text, config)
+    if len(spec.directions) < 2:
+        return [text]
+    return [caption(ShapeSpec(spec.color, spec.shape, (d,))) for d in spec.directions]
 
 
 # ---------------------------------------------------------------------------------------------- rendering
 def trajectory(spec: ShapeSpec, config: ShapesWorldConfig) -> Tensor:
     """Offsets of the shape's box center from frame 0, float32 ``[T, 2]`` as (x, y) in pixels.
 
-    Single segment: ``p(t) = v t``. Two segments: ``p(t) = v1 min(t, m) + v2 max(t - m, 0)`` with
-    ``m = (T - 1) / 2``, so frames ``t <= m`` follow direction 1 and frames ``t >= m`` direction 2. Speeds:
-    the named speed, else the mean of the configured speeds. The offsets are not wrapped (on a ``"wrap"`` world
-    they may exceed the frame; :func:`centroid_path` gives the wrapped positions).
+    Single segment: ``p(t) = v t``. Several segments: ``p(t) = v sum_k u_k clamp(t - m_{k-1}, 0, m_k - m_{k-1})``
+    with turn points ``m_0 = 0 < m_1 < ... `` (:func:`turn_points`; the last segment is unbounded), so frames
+    ``m_{k-1} <= t <= m_k`` follow direction k. Two segments: ``m_1 = (T - 1) / 2`` (frames ``t <= m_1`` follow
+    direction 1, frames ``t >= m_1`` direction 2; for even T the turn falls between frames ``T/2 - 1`` and ``T/2``,
+    and that one displacement is half of each direction). Three segments: the turn after segment k is the last frame
+    of its span in :func:`segment_spans` (``end_k - 1``), so every displacement follows a single direction. Speeds:
+    the named speed, else the mean of the configured speeds. The offsets are not wrapped (on a ``"wrap"`` world they
+    may exceed the frame; :func:`centroid_path` gives the wrapped positions).
     """
     return _offsets(spec, config, config.num_frames)
 
 
+def segment_spans(num_frames: int, num_segments: int) -> list[tuple[int, int]]:
+    """The world's split of ``num_frames`` frames into ``num_segments`` as-even-as-possible contiguous spans.
+
+    Spans are ``(start, end)`` frame indices, end exclusive, covering ``[0, num_frames)`` in order; the first
+    ``num_frames % num_segments`` spans have one frame more than the others (8 frames, 2 segments: ``[(0, 4),
+    (4, 8)]``; 8 frames, 3 segments: ``[(0, 3), (3, 6), (6, 8)]``; 7 frames, 2 segments: ``[(0, 4), (4, 7)]``).
+    Segment k's motion is the displacement from the frame before its start (when there is one) to its last frame;
+    :func:`trajectory` turns at these boundaries (the two-segment turn of an even T lies half a frame later, see
+    there).
+
+    Raises:
+        ValueError: a non-int argument, ``num_segments < 1``, or fewer frames than segments.
+    """
+    for name, value in (("num_frames", num_frames), ("num_segments", num_segments)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"segment_spans: {name} must be an int, got {value!r}")
+    if num_segments < 1 or num_frames < num_segments:
+        raise ValueError(
+            f"segment_spans: cannot split num_frames={num_frames} into num_segments={num_segments} non-empty spans; "
+            f"use 1 <= num_segments <= num_frames"
+        )
+    q, r = divmod(num_frames, num_segments)
+    spans, start = [], 0
+    for k in range(num_segments):
+        end = start + q + (1 if k < r else 0)
+        spans.append((start, end))
+        start = end
+    return spans
+
+
+def turn_points(num_frames: int, num_segments: int) -> list[float]:
+    """The times (in frames) where :func:`trajectory` turns from segment k to k + 1, ``num_segments - 1`` of them.
+
+    One segment: ``[]``. Two: ``[(T - 1) / 2]`` (the historical midpoint; on a frame for odd T). Three or more: the
+    last frame of each span of :func:`segment_spans` but the final one (``end_k - 1``). With fewer frames than
+    segments (only reachable through :func:`centroid_path` with a short ``num_frames``) the spans of ``num_segments``
+    frames are used and the turns clamped to ``[0, T - 1]``.
+    """
+    if num_segments <= 1:
+        return []
+    if num_segments == 2:
+        return [(num_frames - 1) / 2]
+    spans = segment_spans(max(num_frames, num_segments), num_segments)
+    return [float(min(end - 1, max(num_frames - 1, 0))) for _, end in spans[:-1]]
+
+
 def _offsets(spec: ShapeSpec, config: ShapesWorldConfig, num_frames: int) -> Tensor:
-    """:func:`trajectory` for ``num_frames`` frames (the two-segment midpoint is ``(num_frames - 1) / 2``)."""
+    """:func:`trajectory` for ``num_frames`` frames (turns at :func:`turn_points` of ``num_frames``)."""
     t = torch.arange(num_frames, dtype=torch.float64)
     out = torch.zeros(num_frames, 2, dtype=torch.float64)
     if not spec.directions or config.image_mode:
@@ -420,10 +533,16 @@ def _offsets(spec: ShapeSpec, config: ShapesWorldConfig, num_frames: int) -> Ten
     u1 = torch.tensor(DIRECTION_VECTORS[spec.directions[0]], dtype=torch.float64)
     if len(spec.directions) == 1:
         return (v * t[:, None] * u1).float()
-    m = (num_frames - 1) / 2
-    u2 = torch.tensor(DIRECTION_VECTORS[spec.directions[1]], dtype=torch.float64)
-    out = v * (t.clamp(max=m)[:, None] * u1 + (t - m).clamp(min=0)[:, None] * u2)
-    return out.float()
+    turns = turn_points(num_frames, len(spec.directions))
+    # segment k covers [m_{k-1}, m_k]: the first starts at 0 (t >= 0 needs no lower clamp), the last is unbounded;
+    # for two segments this is exactly v * (min(t, m) u1 + max(t - m, 0) u2), the historical formula
+    acc = t.clamp(max=turns[0])[:, None] * u1
+    for k in range(1, len(spec.directions)):
+        u = torch.tensor(DIRECTION_VECTORS[spec.directions[k]], dtype=torch.float64)
+        lo = turns[k - 1]
+        span = (t - lo).clamp(min=0) if k == len(turns) else (t - lo).clamp(min=0, max=turns[k] - lo)
+        acc = acc + span[:, None] * u
+    return (v * acc).float()
 
 
 def wrapped_delta(delta: Tensor, period: float | Tensor) -> Tensor:
@@ -502,6 +621,11 @@ def _check_spec(spec: ShapeSpec, config: ShapesWorldConfig) -> None:
         raise ValueError(f"unknown speed {spec.speed!r}; known speeds: {', '.join(config.speeds)}")
     if config.image_mode and spec.directions:
         raise ValueError(f"image mode (num_frames=1) cannot render motion {spec.directions}")
+    if len(spec.directions) > 2 and config.num_frames < 2 * len(spec.directions):
+        raise ValueError(
+            f"a {len(spec.directions)}-segment spec {spec.directions} needs num_frames >= {2 * len(spec.directions)} "
+            f"(two frames per segment), got num_frames={config.num_frames}; raise num_frames"
+        )
 
 
 def _draw_start(spec: ShapeSpec, config: ShapesWorldConfig, offsets: Tensor, generator: torch.Generator) -> Tensor:
@@ -606,7 +730,7 @@ def centroid_path(
 ) -> Tensor:
     """The analytic position of the object's area centroid over ``num_frames`` frames, float32 ``[T, 2]`` (x, y) in
     pixels: ``start`` (the frame-0 box center, as :func:`start_position` / :func:`render_at`) plus the trajectory
-    offsets (:func:`trajectory` for T frames; a two-segment spec turns at ``(T - 1) / 2``), plus the shape's
+    offsets (:func:`trajectory` for T frames; a multi-segment spec turns at :func:`turn_points` of T), plus the shape's
     centroid offset within its box (``(0, object_size / 6)`` below the center for the upward triangle, zero for the
     symmetric shapes).
 
@@ -727,11 +851,16 @@ def sample_spec(
     """Draw a spec: a uniform combination of ``split``, then (video mode) multi-step with probability
     ``multi_step_prob`` (second direction uniform among the others), else a uniform speed when moving.
 
+    With ``config.max_segments = 3`` a multi-step spec then draws its number of segments uniformly in {2, 3} and a
+    third direction uniform among those other than the second (consecutive segments always differ; the first and
+    third may be equal). With the default ``max_segments = 2`` no further draw is made, so every spec is the one
+    drawn before ``max_segments`` existed.
+
     Args:
         config: the world.
         generator: a CPU ``torch.Generator``.
         split: ``"train"``, ``"heldout"`` or ``"all"``.
-        multi_step: force (True) or forbid (False) two segments; None draws it.
+        multi_step: force (True) or forbid (False) several segments; None draws it.
 
     Raises:
         ValueError: an unknown split, or an empty held-out split.
@@ -745,7 +874,12 @@ def sample_spec(
         others = [x for x in config.directions if x != d]
         if not others:
             raise ValueError("multi-step captions need at least two directions")
-        return ShapeSpec(c, s, (d, others[_choice(len(others), generator)]))
+        dirs = [d, others[_choice(len(others), generator)]]
+        extra = _choice(config.max_segments - 1, generator) if config.max_segments > 2 else 0
+        for _ in range(extra):
+            others = [x for x in config.directions if x != dirs[-1]]
+            dirs.append(others[_choice(len(others), generator)])
+        return ShapeSpec(c, s, tuple(dirs))
     names = list(config.speeds)
     speed = names[_choice(len(names), generator)]
     return ShapeSpec(c, s, (d,), None if d == "still" else speed)

@@ -40,6 +40,7 @@ from genrl.flow.frame_schedules import (
     schedule_transitions,
 )
 from genrl.flow.guidance import cfg_combine
+from genrl.flow.hierarchical import HierarchicalAdvantages, hierarchical_advantages
 from genrl.flow.history_guidance import CompiledGuidance, GuidanceView, HistoryGuidance, HistoryTerm, combine_views
 from genrl.flow.losses import SIGMA_SQRT_MIN_SIGMA, LossWeighting, flow_matching_loss, loss_weighting
 from genrl.flow.nft import (
@@ -75,6 +76,7 @@ from genrl.flow.policy import (
     normalize_rewards,
     velocity_kl,
 )
+from genrl.flow.renoise import renoise_log_prob, renoise_log_ratio, renoise_mean
 from genrl.flow.schedules import (
     NUM_TRAIN_TIMESTEPS,
     TimestepSampler,
@@ -94,6 +96,7 @@ from genrl.flow.sde import (
     step_log_prob,
     step_mean_std,
 )
+from genrl.flow.sequence_policy import K3_LOG_RATIO_MAX, gspo_loss, k3_kl, token_grpo_loss
 from genrl.flow.steps import euler_step
 from genrl.flow.tmd import (
     INNER_TIME_STREAM,
@@ -173,6 +176,15 @@ __all__ = [
     "group_stats",
     "normalize_rewards",
     "RunningMeanStd",
+    "K3_LOG_RATIO_MAX",
+    "k3_kl",
+    "gspo_loss",
+    "token_grpo_loss",
+    "HierarchicalAdvantages",
+    "hierarchical_advantages",
+    "renoise_mean",
+    "renoise_log_prob",
+    "renoise_log_ratio",
     "warped_timesteps",
     "warped_sigmas",
     "sample_dmd_sigma",

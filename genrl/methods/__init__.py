@@ -10,9 +10,10 @@ from genrl.methods.preview import PreviewConfig
 from genrl.methods.ram import RAM
 from genrl.methods.rwr import RewardWeightedRegression
 from genrl.methods.stream_r1 import StreamR1Weighting
+from genrl.methods.tempact import TempAct
 from genrl.methods.tmd import TMD
 from genrl.models.lora import LoraSpec  # re-exported: configs and user code name genrl.methods.LoraSpec
 from genrl.models.quantized import RolloutPrecision  # re-exported with PreviewConfig (Sol-RL)
 
 __all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit", "PreviewConfig", "RAM",
-           "RewardWeightedRegression", "RolloutPrecision", "StreamR1Weighting", "TMD"]
+           "RewardWeightedRegression", "RolloutPrecision", "StreamR1Weighting", "TMD", "TempAct"]

@@ -123,10 +123,11 @@ class Scorer(nn.Module):
             self._pending = None
         return self.manager
 
-    def forward(self, pixels: torch.Tensor, prompts: list[str]):
+    def forward(self, pixels: torch.Tensor, prompts: list[str], **meta: Any):
         """Score pixels [B, T, C, H, W] in [0, 1] (any device / dtype) for ``prompts`` -> a
-        :class:`~genrl.rewards.RewardResult` (CPU tensors of length B)."""
-        return self.build()(pixels.float().cpu(), prompts)
+        :class:`~genrl.rewards.RewardResult` (CPU tensors of length B). ``meta`` goes to every reward (per-sample
+        lists of length B, e.g. TempAct's ``frame_spans``)."""
+        return self.build()(pixels.float().cpu(), prompts, **meta)
 
     def get_extra_state(self) -> dict | None:
         return self.manager.state_dict() if self.manager.built else self._pending
@@ -262,11 +263,12 @@ def default_latent_shape(generator, latent_shape=None) -> tuple[int, ...]:
     return tuple(latent_shape) if latent_shape else tuple(getattr(generator, "latent_shape", (8, 3, 16, 16)))
 
 
-def log_validation_rewards(method: LightningModule, scorer: Scorer, videos: torch.Tensor, prompts: list[str]) -> dict:
-    """Score validation ``videos`` (pixels [B, T, C, H, W] in [0, 1]) with ``scorer`` and log ``val/<reward>/<key>``
-    and ``val/total`` (mean over valid samples; NaN when none is valid). Returns ``{"videos", "prompts"}``, the
-    validation-step output :class:`~genrl.callbacks.VideoLogger` reads."""
-    result = scorer(videos, prompts)
+def log_validation_rewards(method: LightningModule, scorer: Scorer, videos: torch.Tensor, prompts: list[str],
+                           **meta: Any) -> dict:
+    """Score validation ``videos`` (pixels [B, T, C, H, W] in [0, 1]) with ``scorer`` (``meta``: per-sample reward
+    inputs) and log ``val/<reward>/<key>`` and ``val/total`` (mean over valid samples; NaN when none is valid).
+    Returns ``{"videos", "prompts"}``, the validation-step output :class:`~genrl.callbacks.VideoLogger` reads."""
+    result = scorer(videos, prompts, **meta)
     bs = len(prompts)
     for key, value in result.metrics().items():
         if key != "total":

@@ -134,25 +134,27 @@ class Scores:
 
 
 def score(module: LightningModule, scorer: Scorer, rollouts: Rollouts, group: torch.Tensor | None = None,
-          iteration: int = 0) -> Scores:
-    """Score ``rollouts`` and log ``reward/<reward>/<key>``, ``reward/total`` (mean over the valid samples of the
-    gathered batch), ``reward/invalid_fraction`` and, with groups, ``advantage/<group statistic>``.
+          iteration: int = 0, prefix: str = "reward", meta: dict | None = None) -> Scores:
+    """Score ``rollouts`` and log ``<prefix>/<reward>/<key>``, ``<prefix>/total`` (mean over the valid samples of the
+    gathered batch), ``<prefix>/invalid_fraction`` and, with groups, ``advantage/<group statistic>``. ``meta``: per-
+    sample reward inputs beside the prompts (:meth:`Scorer.forward`); ``prefix`` names a second scorer's logs.
 
     Raises:
         RuntimeError: every reward of the gathered batch is invalid (NaN): the reward model is failing.
     """
-    result = scorer(rollouts.pixels, rollouts.prompts)
+    result = scorer(rollouts.pixels, rollouts.prompts, **(meta or {}))
     bs = len(rollouts.prompts)
     for key, value in result.metrics().items():
         if key not in ("total", "invalid_fraction"):
-            module.log(f"reward/{key}", float(value), batch_size=bs)
+            module.log(f"{prefix}/{key}", float(value), batch_size=bs)
     total, valid = gather_batch(module, result.total), gather_batch(module, result.valid)
     all_group = gather_batch(module, group) if group is not None else None
     if all_group is not None:
         for key, value in group_stats(total, all_group, valid=valid).items():
             module.log(f"advantage/{key}", float(value), batch_size=bs)
-    module.log("reward/total", float(total[valid].mean()) if valid.any() else math.nan, prog_bar=True, batch_size=bs)
-    module.log("reward/invalid_fraction", float((~valid).float().mean()), batch_size=bs)
+    module.log(f"{prefix}/total", float(total[valid].mean()) if valid.any() else math.nan, prog_bar=True,
+               batch_size=bs)
+    module.log(f"{prefix}/invalid_fraction", float((~valid).float().mean()), batch_size=bs)
     if not valid.any():
         raise RuntimeError(
             f"iteration {iteration}: every reward of the batch is invalid (NaN); the reward model is failing (see the "

@@ -2,6 +2,7 @@
 
 Importing this package registers every reward (heavy libraries load only when a reward is built):
 ``"shapes"`` (:class:`ShapesVerifier`), ``"shapes_video"`` (:class:`ShapesVideoReward`, differentiable),
+``"shapes_temporal"`` (:class:`ShapesTemporalReward`, step following / switch delay / order of step plans),
 ``"colorfulness"``, ``"clipscore"``, ``"pickscore"``, ``"aesthetic"``, ``"hpsv2"``, ``"imagereward"``,
 ``"videoalign"``, ``"ocr"`` and ``"remote"`` (a loopback reward server).
 :class:`RewardManager` holds a method's rewards outside its module tree and combines them.
@@ -30,9 +31,11 @@ from genrl.rewards.registry import (
 )
 from genrl.rewards.remote import RemoteReward
 from genrl.rewards.shapes import ShapesVerifier, ShapesVideoReward
+from genrl.rewards.shapes_temporal import ShapesTemporalReward, temporal_metrics
 from genrl.rewards.videoalign import VideoAlignReward
 
 __all__ = [
+    "temporal_metrics",
     "RANGE_TOLERANCE",
     "AestheticReward",
     "CLIPScoreReward",
@@ -44,6 +47,7 @@ __all__ = [
     "OCRReward",
     "PickScoreReward",
     "RemoteReward",
+    "ShapesTemporalReward",
     "VideoAlignReward",
     "RewardModel",
     "RewardSpec",

@@ -78,8 +78,9 @@ class ARResult:
         grad_mask: bool [B, T]: frames whose value carries a graph.
         exit_step: the Self-Forcing exit index (None for other policies).
         sigma_from, sigma_to: sigma interval of the exit step (DMD's optional timestep clamp).
-        trajectory: per chunk, when recorded: ``{"x": [S, B, ...] step inputs, "sigmas": [S + 1], "x0": [S, B, ...]
-            predictions, "noise": [S, B, ...] injected noises, "chunk": k, "start_frame": int}``.
+        trajectory: per chunk, when recorded: ``{"x": [S, B, ...] step inputs, "v": [S, B, ...] velocities
+            (step dtype), "sigmas": [S + 1], "x0": [S, B, ...] predictions, "noise": [S, B, ...] injected noises,
+            "chunk": k, "start_frame": int}``.
         state: the state after the last chunk (continue with ``ar_rollout(..., state=result.state)``).
     """
 
@@ -320,7 +321,8 @@ def ar_rollout(
             raise ValueError(f"state is at latent frame {state.cache.end_frame}, chunk {k} starts at {s0}")
         chunk_grad = grad != "none" and s0 >= grad_from
         x = chunk_noise(state, frame_shape, k, 0, length, device, dtype)
-        rec = {"x": [], "x0": [], "noise": [x.detach().cpu()], "chunk": k, "start_frame": s0} if record else None
+        rec = ({"x": [], "v": [], "x0": [], "noise": [x.detach().cpu()], "chunk": k, "start_frame": s0} if record
+               else None)
         out = None
         last = steps - 1 if exit_step is None else exit_step
         for j in range(last + 1):
@@ -332,6 +334,7 @@ def ar_rollout(
                 x0 = x.to(v.dtype) - sig[j] * v
             if record:
                 rec["x"].append(x.detach().cpu())
+                rec["v"].append(v.detach().cpu())
                 rec["x0"].append(x0.detach().cpu())
             if j == last:
                 out = x0
@@ -355,7 +358,7 @@ def ar_rollout(
         outputs.append(out if chunk_grad else clean)
         grad_frames.append(torch.full((n, length), bool(chunk_grad and out.requires_grad)))
         if record:
-            trajectory.append({"x": torch.stack(rec["x"]), "x0": torch.stack(rec["x0"]),
+            trajectory.append({"x": torch.stack(rec["x"]), "v": torch.stack(rec["v"]), "x0": torch.stack(rec["x0"]),
                                "noise": torch.stack(rec["noise"]), "sigmas": torch.tensor(sig[: last + 1] + [0.0]),
                                "chunk": k, "start_frame": s0})
     latents = torch.cat(outputs, dim=fd)

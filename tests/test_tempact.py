@@ -1,0 +1,136 @@
+"""TempAct and RL on a distilled causal student (genrl/methods/tempact.py; docs/methods/tempact.md): the executor's
+first update has importance ratio exactly 1, the update moves the executor toward higher-advantage continuations,
+the planner's logits move toward the better plan, the hierarchy's degenerate cases, resume == uninterrupted, and
+bad configurations refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from genrl.cli import GenRLCLI
+from genrl.models.plans import Plan, Step
+
+ROOT = Path(__file__).resolve().parents[1]
+EXECUTOR = str(ROOT / "configs/tempact/shapes_executor.yaml")
+TINY = str(ROOT / "configs/tiny/tempact.yaml")
+
+
+def _cli(args: list[str], configs=(EXECUTOR, TINY), run: bool = True) -> GenRLCLI:
+    import genrl.data  # noqa: F401
+    import genrl.methods  # noqa: F401
+
+    base = [x for c in configs for x in ("--config", c)] + ["--trainer.enable_progress_bar=false"]
+    return GenRLCLI(args=(["fit"] if run else []) + base + args, run=run)
+
+
+def _policy_args(tiny_policy, tiny_text_encoder):
+    return [f"--model.init_args.generator.pretrained={tiny_policy}",
+            f"--model.init_args.generator.text_encoder={tiny_text_encoder}"]
+
+
+def _method(tiny_policy, tiny_text_encoder, *extra):
+    model = _cli([*_policy_args(tiny_policy, tiny_text_encoder), *extra], run=False).model
+    model.configure_model()
+    return model
+
+
+PROMPTS = ["a red circle moves right, then moves up", "a blue square moves left, then moves down"]
+
+
+def test_executor_first_update_is_on_policy_and_rewards_steer_it(tiny_policy, tiny_text_encoder):
+    model = _method(tiny_policy, tiny_text_encoder, "--model.init_args.continuations=3",
+                    "--model.init_args.fork_chunks=[1]")
+    flat, ro, pixels = model.collect(PROMPTS, torch.tensor([0, 1]), 0)
+    assert pixels.shape[:2] == (6, 8) and ro.fork_chunk == 1
+    a_exec = torch.tensor([[[1.0, -1.0, 0.0]], [[0.5, 0.0, -0.5]]])  # [P, K = 1, G]
+    units = model.executor_units(flat, ro, a_exec)
+    assert len(units) == 3 * 3 * 1  # G branches x 3 trained chunks (f = 1 of 4) x 1 transition (2-step sampler)
+    model.generator.zero_grad()
+    for u in units:
+        loss, stats, _ = u()
+        assert stats["executor/log_ratio_abs"] == 0.0 and stats["executor/ratio_mean"] == 1.0
+        loss.backward()
+    # the surrogate's gradient is -mean_rows(A * grad log pi) / units: a step along it raises the log-prob of the
+    # positive-advantage branch relative to the negative one
+    params = [p for p in model.generator.parameters() if p.requires_grad]
+    grads = [p.grad.clone() for p in params]
+    assert any(g.abs().sum() > 0 for g in grads)
+
+    def branch_logp(g: int) -> float:
+        from genrl.flow.renoise import renoise_log_prob
+        from genrl.rollout.branches import replay_forks
+
+        st = replay_forks(model.generator, flat, ro, model.frame_shape, model.schedule)[g][0]
+        tr = ro.traces[g][0]
+        s = torch.full((2,), float(tr.sigmas[0]))
+        with torch.no_grad():
+            v = model.generator.velocity_chunk(tr.x[0], s, st.cond, st.cache)
+        return float(renoise_log_prob(tr.x[1], tr.x[0], v, float(tr.sigmas[0]), float(tr.sigmas[1]))[0])
+
+    before = branch_logp(0) - branch_logp(1)
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p.sub_(1e-3 * g / max(float(torch.cat([x.flatten() for x in grads]).norm()), 1e-12))
+    assert branch_logp(0) - branch_logp(1) > before
+
+
+def test_template_planner_moves_toward_the_better_plan(tiny_policy, tiny_text_encoder):
+    model = _method(tiny_policy, tiny_text_encoder, "--model.init_args.planner={kind: template, splitter: shapes}",
+                    "--model.init_args.plans_per_prompt=3", "--model.init_args.train_planner=true",
+                    "--model.init_args.planner_lr=0.5")
+    planner = model.plan_net
+    plans = planner.sample(PROMPTS, 4, 3, seed=0, prompt_indices=[0, 1])
+    flat = [p for row in plans for p in row]
+    a_plan = torch.tensor([[1.0 if p.candidate == 0 else -1.0 for p in row] for row in plans])
+    before = planner.probabilities()[0]
+    loss, _, _ = model.planner_unit(flat, a_plan)()
+    loss.backward()
+    with torch.no_grad():
+        planner.logits -= 0.5 * planner.logits.grad
+    assert planner.probabilities()[0] > before or all(p.candidate == 0 for p in flat)
+
+
+def test_no_planner_plans_are_the_global_prompt(tiny_policy, tiny_text_encoder):
+    model = _method(tiny_policy, tiny_text_encoder)
+    flat, ro, _ = model.collect(PROMPTS, torch.tensor([0, 1]), 0)
+    assert [p.steps for p in flat] == [(Step(PROMPTS[0], 0, 4),), (Step(PROMPTS[1], 0, 4),)]
+    assert model.fork_chunk(0) in (0, 1, 2)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (["--model.init_args.plans_per_prompt=2", "--model.init_args.train_planner=true"], "needs a planner"),
+    (["--model.init_args.continuations=0"], "must be >= 1"),
+    (["--model.init_args.planner={kind: oracle}"], "planner.kind"),
+    (["--model.init_args.planner={kind: template, splitter: commas}"], "unknown planner splitter"),
+])
+def test_bad_configurations_are_refused(tiny_policy, tiny_text_encoder, bad, match):
+    with pytest.raises(ValueError, match=match):
+        _cli([*_policy_args(tiny_policy, tiny_text_encoder), *bad], run=False)
+
+
+def test_fit_resume_equals_uninterrupted(tiny_policy, tiny_text_encoder, tmp_path):
+    def fit(root, steps, ckpt=None):
+        args = [*_policy_args(tiny_policy, tiny_text_encoder), f"--trainer.default_root_dir={root}",
+                f"--trainer.max_steps={steps}", "--trainer.logger=false",
+                f"--trainer.callbacks.init_args.dirpath={root}/ckpt", "--model.init_args.fork_chunks=[1, 2]"]
+        if ckpt:
+            args.append(f"--ckpt_path={ckpt}")
+        return _cli(args).model
+
+    full = fit(tmp_path / "a", 3)
+    fit(tmp_path / "b", 2)
+    resumed = fit(tmp_path / "b", 3, tmp_path / "b/ckpt/last.ckpt")
+    for (n, p), (_, q) in zip(full.generator.named_parameters(), resumed.generator.named_parameters()):
+        assert torch.equal(p, q), n
+    assert int(full.iteration) == 3
+
+
+def test_plan_spans_reach_the_reward_as_frames(tiny_policy, tiny_text_encoder):
+    from genrl.methods.planning import plan_frame_spans
+
+    model = _method(tiny_policy, tiny_text_encoder)
+    plan = Plan("g", (Step("a", 0, 1), Step("b", 1, 4)))
+    assert plan_frame_spans(plan, model.schedule.causal) == [(0, 2), (2, 8)]
