@@ -144,8 +144,8 @@ def test_ar_rollout_default_seed_and_indices_address_seed_0_samples_0_to_b():
 
 
 def test_ar_rollout_records_the_trajectory_per_chunk():
-    """record=True: per chunk exactly the documented keys, the step inputs / predictions / injected noises stacked
-    [S, B, ...], the sigmas [S + 1] ending in 0, the chunk index and start frame."""
+    """record=True: per chunk exactly the documented keys, the step inputs / velocities / predictions / injected
+    noises stacked [S, B, ...], the sigmas [S + 1] ending in 0, the chunk index and start frame."""
     gen = _Stub()
     sch = _schedule("consistency", 0.25)
     cond = _cond(["a red circle", "a blue square"])
@@ -153,13 +153,16 @@ def test_ar_rollout_records_the_trajectory_per_chunk():
     ref = _reference(cond, sch, 3, 1, [2, 4])
     assert len(out.trajectory) == 3
     for k, (t, r) in enumerate(zip(out.trajectory, ref, strict=True)):
-        assert set(t) == {"x", "x0", "noise", "sigmas", "chunk", "start_frame"}
+        assert set(t) == {"x", "v", "x0", "noise", "sigmas", "chunk", "start_frame"}
         assert t["chunk"] == k and t["start_frame"] == r["start_frame"]
         for key in ("x", "x0", "noise"):
             assert t[key].shape[0] == 4
             _close(t[key], torch.stack(r[key]))
         torch.testing.assert_close(t["sigmas"].double(), sch.sigmas(), rtol=0, atol=1e-7)
         assert t["sigmas"][-1] == 0.0 and t["sigmas"].shape == (5,)
+        # the recorded velocities are the ones each step used: x0_j = x_j - sigma_j v_j
+        sig = t["sigmas"][:4].to(t["v"].dtype).reshape(4, *([1] * (t["v"].dim() - 1)))
+        torch.testing.assert_close(t["x"] - sig * t["v"], t["x0"], rtol=0, atol=1e-6)
 
 
 def test_ar_rollout_keeps_the_generators_device_and_the_step_dtype_on_meta():

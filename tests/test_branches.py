@@ -123,3 +123,35 @@ def test_branch_rollout_is_reproducible_and_bad_arguments_are_refused():
         branch_rollout(gen, [_plans()[0], _plan(["a"], [(0, 2)])], FRAME, sched, 1, 2, 3, _rows(2))
     with pytest.raises(ValueError, match="num_branches"):
         branch_rollout(gen, _plans(), FRAME, sched, 1, 0, 3, _rows(3))
+
+
+def test_forks_after_window_eviction_equal_a_straight_rollout_in_any_order():
+    """Spec invariant 2 where TempAct's shared-buffer reuse would fail: with a rolling window + sink the prefix has
+    evicted frames; each fork continued with the straight rollout's noise equals it, whichever fork runs first."""
+    from genrl.rollout.autoregressive import fork
+
+    gen, sched = tiny_causal_generator(rope=8), _schedule(LAYOUTS["window_sink"])
+    cond = gen.encode_prompts(["right", "up"])
+    straight = ar_rollout(gen, cond, 6, FRAME, sched, seed=4)
+    prefix = ar_rollout(gen, cond, 3, FRAME, sched, seed=4)
+    assert prefix.state.cache.frames.tolist() == [0, 4]  # the sink kept, chunk 1 already evicted
+    a, b = fork(prefix.state, 2)
+    late = ar_rollout(gen, None, 3, FRAME, sched, state=b).latents
+    early = ar_rollout(gen, None, 3, FRAME, sched, state=a).latents
+    assert torch.equal(early, late)
+    assert torch.equal(torch.cat([prefix.latents, early], 1), straight.latents)
+
+
+def test_recache_with_an_unchanged_prompt_reproduces_the_cache_exactly():
+    """Spec invariant 4: without a window, re-caching under the same prompt (context noise 0) rebuilds the same K / V
+    bit for bit, so a batch-wide switch leaves the rows whose step did not change as they were."""
+    from genrl.rollout.autoregressive import switch_prompt
+
+    gen, sched = tiny_causal_generator(rope=8), _schedule(LAYOUTS["plain"])
+    cond = gen.encode_prompts(["right", "up"])
+    state = ar_rollout(gen, cond, 3, FRAME, sched, seed=1).state
+    keys = [k.clone() for k in state.cache.keys]
+    values = [v.clone() for v in state.cache.values]
+    switch_prompt(gen, state, gen.encode_prompts(["right", "up"]), "recache")
+    assert all(torch.equal(k, k2) for k, k2 in zip(keys, state.cache.keys))
+    assert all(torch.equal(v, v2) for v, v2 in zip(values, state.cache.values))

@@ -458,3 +458,21 @@ def test_reward_marks_unreadable_samples_invalid_without_raising():
         reward(videos, texts, frame_spans=[spans[0]])
     with pytest.raises(ValueError, match="calibrated for 16x16"):
         reward(videos[..., :12], texts)
+
+
+def test_verifier_scores_every_segment_of_a_three_step_caption():
+    """ShapesVerifier splits a multi-step caption at the world's turn points, one velocity per segment: a three-step
+    render is right on every segment; a caption whose third step differs is not (it used to be judged on two
+    halves from the first two directions only)."""
+    world = ShapesWorldConfig(num_frames=12, speeds={"slow": 0.4, "fast": 0.8}, max_segments=3)
+    verifier = ShapesVerifier(world)
+    text = "a red circle moves right, then moves up, then moves left"
+    video = _render(text, world)[None]
+    right = verifier.score(video, [text])
+    assert float(right["direction_correct"][0]) == 1.0 and float(right["all_correct"][0]) == 1.0
+    assert float(right["step_following"][0]) > 0.9
+    wrong = verifier.score(video, ["a red circle moves right, then moves up, then moves down"])
+    assert float(wrong["direction_correct"][0]) == 0.0 and float(wrong["step_following"][0]) < 0.1
+    two = "a blue square moves left, then moves down"
+    mixed = verifier.score(torch.cat([video, _render(two, world)[None]]), [text, two])
+    assert mixed["direction_correct"].tolist() == [1.0, 1.0]

@@ -297,6 +297,9 @@ class TempAct(LightningModule):
             for key, value in (stats | getattr(self, "_planner_stats", {})).items():
                 self.log(f"train/{key}", value, batch_size=bs)
         self.log("train/fork_chunk", float(ro.fork_chunk), batch_size=bs)
+        if hasattr(self.plan_net, "probabilities"):  # a template planner: its distribution over the candidates
+            for name, prob in zip(self.plan_net.candidates, self.plan_net.probabilities().tolist()):
+                self.log(f"planner/p_{name}", prob, batch_size=bs)
         self.log("plan/return_mean", float(r_plan.nanmean()), batch_size=bs)
         advance_iteration(self, bs)
 

@@ -19,9 +19,10 @@ centroid (so stray blobs and noise far from the object do not move it). From the
   self-calibrate to resolution and object size), in units of the spread between prototypes;
 * **direction**: least-squares velocity (px/frame) of the centroid track over non-empty frames, compared
   with the prototype velocities ``speed * unit(direction)`` for every configured speed and their mean
-  (still = 0). Multi-step captions: one velocity per segment (frames ``t <= (T-1)/2`` and ``t >= (T-1)/2``);
+  (still = 0). Multi-step captions: one velocity per segment, over the frames between the world's turn points
+  (``genrl.data.shapes.turn_points``; two segments: ``t <= (T-1)/2`` and ``t >= (T-1)/2``);
 * **speed**: the norm of that velocity against the configured speeds;
-* **step_following** (multi-step): ``P(segment 1 correct) * P(segment 2 correct)``;
+* **step_following** (multi-step): the product of the segments' ``P(segment k correct)``;
 * **consistency**: ``exp(-(r_mass^2 + r_color^2) / (2 * 0.2^2))`` with ``r_mass`` the relative std of the
   per-frame foreground mass over all frames and ``r_color`` the RMS deviation of per-frame chroma.
 
@@ -50,9 +51,9 @@ Output keys (float32 [B]; plus the protocol's bool ``"valid"``):
 ``reward``          mean of the applicable soft scores below except ``all_correct`` (the scalar for RL)
 ``color``           P(stated color)
 ``shape``           P(stated shape)
-``direction``       P(stated direction); multi-step: mean over the two segments. NaN when no motion is stated
+``direction``       P(stated direction); multi-step: mean over the segments. NaN when no motion is stated
 ``speed``           P(stated speed). NaN when the caption states no speed (still, multi-step, image mode)
-``step_following``  P(both segments correct). NaN for single-step and image captions
+``step_following``  P(every segment correct). NaN for single-step and image captions
 ``consistency``     temporal stability of area and color in [0, 1]. NaN for single frames (T = 1)
 ``all_correct``     1.0 when the argmax class equals the stated class for every stated attribute, else 0.0
 ``<attr>_correct``  hard per-attribute accuracy (argmax == stated class) for color, shape, direction (both
@@ -83,6 +84,7 @@ from genrl.data.shapes import (
     parse_caption,
     render,
     sample_seed,
+    turn_points,
     wrapped_delta,
 )
 from genrl.rewards.base import RewardModel
@@ -429,28 +431,39 @@ class ShapesVerifier(RewardModel):
         if t > 1:
             cen = m["track"]  # the centroid; unwrapped on a wrapping world
             tt = torch.arange(t, device=dev, dtype=cen.dtype)
-            mid = (t - 1) / 2
             v_all, ok_all = self._velocity(cen, nonempty)
-            v1, ok1 = self._velocity(cen, nonempty & (tt <= mid))
-            v2, ok2 = self._velocity(cen, nonempty & (tt >= mid))
             p_all = self._direction_probs(v_all, ok_all)
-            p1, p2 = self._direction_probs(v1, ok1), self._direction_probs(v2, ok2)
             speed_norm = (v_all.square().sum(1, keepdim=True) + tiny).sqrt()
             p_speed = _softmax_neg((speed_norm - self.speed_values) ** 2, self.tau_speed)
             p_speed = p_speed * ok_all[:, None]
             names = self.direction_names
             d1 = idx([names.index(s.directions[0]) if s.directions else -1 for s in specs])
-            d2 = idx([names.index(s.directions[1]) if s.multi_step else -1 for s in specs])
             sp = idx([self.speed_names.index(s.speed) if s.speed is not None else -1 for s in specs])
             single = idx([len(s.directions) == 1 for s in specs]).bool()
             multi = idx([s.multi_step for s in specs]).bool()
-            a1, a2 = pick(p1, d1), pick(p2, d2)
+            # multi-step: one velocity per segment, over the frames between the world's turn points (two segments:
+            # t <= (T-1)/2 and t >= (T-1)/2); direction = the segments' mean, step_following = their product
+            seg_sum, seg_prod = torch.zeros_like(direction), torch.ones_like(direction)
+            seg_hit = torch.ones_like(multi)
+            for n in sorted({len(s.directions) for s in specs if s.multi_step}):
+                rows = idx([len(s.directions) == n and s.multi_step for s in specs]).bool()
+                turns = [0.0, *turn_points(t, n), float(t - 1)]
+                for k in range(n):
+                    vk, okk = self._velocity(cen, nonempty & (tt >= turns[k]) & (tt <= turns[k + 1]))
+                    pk = self._direction_probs(vk, okk)
+                    dk = idx([names.index(s.directions[k]) if len(s.directions) == n and s.multi_step else -1
+                              for s in specs])
+                    ak = pick(pk, dk)
+                    seg_sum = torch.where(rows, seg_sum + ak, seg_sum)
+                    seg_prod = torch.where(rows, seg_prod * ak, seg_prod)
+                    seg_hit = torch.where(rows, seg_hit & hit(pk, dk, okk), seg_hit)
+            n_seg = idx([max(len(s.directions), 1) for s in specs]).to(seg_sum.dtype)
             direction = torch.where(single, pick(p_all, d1), direction)
-            direction = torch.where(multi, (a1 + a2) / 2, direction)
-            steps = torch.where(multi, a1 * a2, steps)
+            direction = torch.where(multi, seg_sum / n_seg, direction)
+            steps = torch.where(multi, seg_prod, steps)
             stated_speed = sp >= 0
             speed = torch.where(stated_speed, pick(p_speed, sp), speed)
-            dir_hit = torch.where(single, hit(p_all, d1, ok_all), hit(p1, d1, ok1) & hit(p2, d2, ok2))
+            dir_hit = torch.where(single, hit(p_all, d1, ok_all), seg_hit)
             speed_hit = hit(p_speed, sp, ok_all)
             correct &= dir_hit
             correct &= ~stated_speed | speed_hit
