@@ -134,3 +134,42 @@ def test_plan_spans_reach_the_reward_as_frames(tiny_policy, tiny_text_encoder):
     model = _method(tiny_policy, tiny_text_encoder)
     plan = Plan("g", (Step("a", 0, 1), Step("b", 1, 4)))
     assert plan_frame_spans(plan, model.schedule.causal) == [(0, 2), (2, 8)]
+
+
+def test_wan_config_trains_two_iterations_on_tiny_components(tmp_path, monkeypatch):
+    """configs/tempact/wan2.1_t2v_1.3b.yaml with a tiny random causal Wan (LoRA) and a tiny random causal-LM planner
+    (LoRA) built in code: two joint iterations through the real CLI; both adapters move, nothing else does."""
+    import json
+
+    from genrl.models.planner import build_tiny_planner_lm, planner_words
+    from genrl.testing.families import TINY_SIZE, tiny_generator_spec
+
+    monkeypatch.chdir(tmp_path)
+    prompts = ["a red circle moves right, then moves up", "a blue square moves left, then moves down"]
+    lm = build_tiny_planner_lm(planner_words(prompts + ['"steps" "prompt" "start" "end"']), tmp_path / "lm")
+    size = TINY_SIZE["wan"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    override = {
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
+                    "enable_progress_bar": False, "logger": False, "callbacks": []},
+        "model": {"init_args": {
+            "generator": tiny_generator_spec("wan"), "lora": {"rank": 4, "alpha": 4},
+            "num_frames": 2, "schedule": {"causal": {"chunk_size": 1, "local_window": 1, "sink_frames": 0},
+                                          "timesteps": [1000, 500]},
+            "planner": {"kind": "lm", "path": str(lm), "lora": {"rank": 2, "alpha": 4}, "max_new_tokens": 8},
+            "plans_per_prompt": 2, "continuations": 2, "plan_steps": 2, "fork_chunks": [1],
+            "executor_rewards": [{"name": "colorfulness"}], "planner_rewards": [{"name": "colorfulness"}]}},
+        "data": {"init_args": {"train": str(tmp_path / "prompts.txt"), "val": str(tmp_path / "prompts.txt"),
+                               "prompts_per_batch": 1, "val_size": 1}},
+    }
+    assert size["num_frames"] >= 1
+    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
+    cli = _cli(["--config", str(tmp_path / "tiny.yaml")], configs=(str(ROOT / "configs/tempact/wan2.1_t2v_1.3b.yaml"),),
+               run=False)
+    cli.model.configure_model()
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters() if p.requires_grad}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    changed = {n for n, p in cli.model.named_parameters() if p.requires_grad and not torch.equal(before[n], p)}
+    assert int(cli.model.iteration) == 2
+    assert any(n.startswith("generator.") for n in changed) and any(n.startswith("planner.") for n in changed)
+    assert all("lora_" in n for n in before)

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from genrl.models.causal import CausalConfig
+from genrl.models.planner import LMPlanner
 from genrl.models.plans import Plan, Step, TemplatePlanner, split_then
 
-__all__ = ["SPLITTERS", "build_planner", "sample_plans", "plan_frame_spans"]
+__all__ = ["SPLITTERS", "build_planner", "check_planner_spec", "sample_plans", "plan_frame_spans"]
 
 
 def _shapes_steps(prompt: str) -> list[str]:
@@ -24,6 +25,18 @@ def _shapes_steps(prompt: str) -> list[str]:
 SPLITTERS = {"then": split_then, "shapes": _shapes_steps}
 
 
+def check_planner_spec(spec: dict[str, Any]) -> None:
+    """Refuse an unknown planner kind or splitter before anything is built (ValueError naming the known ones)."""
+    kind = spec.get("kind")
+    if kind not in ("template", "lm"):
+        raise ValueError(f"planner.kind must be 'template' or 'lm', got {kind!r} (or planner: null for the global "
+                         f"prompt)")
+    if kind == "template" and spec.get("splitter", "then") not in SPLITTERS:
+        raise ValueError(f"unknown planner splitter {spec.get('splitter')!r}; known: {sorted(SPLITTERS)}")
+    if kind == "lm" and not spec.get("path"):
+        raise ValueError("planner.path is required for kind 'lm': a local transformers causal-LM folder")
+
+
 def build_planner(spec: dict[str, Any] | None) -> torch.nn.Module | None:
     """The planner of a config: None, ``{"kind": "template", "splitter": "then" | "shapes", "candidates": [...],
     "init_logits": [...]}`` (:class:`~genrl.models.plans.TemplatePlanner`) or ``{"kind": "lm", "path": ..., ...}``
@@ -34,18 +47,11 @@ def build_planner(spec: dict[str, Any] | None) -> torch.nn.Module | None:
     """
     if spec is None:
         return None
+    check_planner_spec(spec)
     spec = dict(spec)
-    kind = spec.pop("kind", None)
-    if kind == "template":
-        name = spec.pop("splitter", "then")
-        if name not in SPLITTERS:
-            raise ValueError(f"unknown planner splitter {name!r}; known: {sorted(SPLITTERS)}")
-        return TemplatePlanner(splitter=SPLITTERS[name], **spec)
-    if kind == "lm":
-        from genrl.models.planner import LMPlanner
-
-        return LMPlanner(**spec)
-    raise ValueError(f"planner.kind must be 'template' or 'lm', got {kind!r} (or planner: null for the global prompt)")
+    if spec.pop("kind") == "template":
+        return TemplatePlanner(splitter=SPLITTERS[spec.pop("splitter", "then")], **spec)
+    return LMPlanner(**spec)
 
 
 def sample_plans(planner, prompts: list[str], num_chunks: int, k: int, seed: int, iteration: int,

@@ -47,7 +47,7 @@ from genrl.methods.common import (
 )
 from genrl.methods.distill import configure_student
 from genrl.methods.phases import Rollouts, optimizer_steps, score
-from genrl.methods.planning import build_planner, plan_frame_spans, sample_plans
+from genrl.methods.planning import build_planner, check_planner_spec, plan_frame_spans, sample_plans
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
@@ -130,14 +130,8 @@ class TempAct(LightningModule):
         self.generator_spec = policy_spec(self, generator)
         self.generator, self.roles = None, Roles(self)
         self._has_planner = planner is not None
-        if planner is not None:  # a trainable role (checkpointed: its logits or LoRA adapter), or a frozen one
-            built = build_planner(planner)
-            if train_planner and not any(p.requires_grad for p in built.parameters()):
-                raise ValueError("train_planner: true, but the planner has no trainable parameters")
-            if train_planner:
-                self.roles.trainable("planner", built)
-            else:
-                self.roles.frozen("planner", built.requires_grad_(False))
+        if planner is not None:
+            check_planner_spec(planner)  # built in configure_model, like every network
         self.scorer = Scorer(executor_rewards)
         self.planner_scorer = Scorer(planner_rewards) if planner_rewards else None
         self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
@@ -152,6 +146,14 @@ class TempAct(LightningModule):
         if (student := configure_student(self)) is None:
             return
         self.frame_shape = self.frame_shape or frame_shape_of(student)
+        if self._has_planner:  # a trainable role (checkpointed: its logits or LoRA adapter), or a frozen one
+            built = build_planner(self.hparams.planner)
+            if self.hparams.train_planner and not any(p.requires_grad for p in built.parameters()):
+                raise ValueError("train_planner: true, but the planner has no trainable parameters")
+            if self.hparams.train_planner:
+                self.roles.trainable("planner", built)
+            else:
+                self.roles.frozen("planner", built.requires_grad_(False))
         if self.hparams.kl_coef > 0 and self.hparams.lora is None:
             self.roles.reference_copy(student)
         if self.planner_scorer is not None:
