@@ -62,6 +62,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from genrl.models.plans import uniform_spans
 from genrl.noise import mix_seed
 
 __all__ = [
@@ -498,13 +499,7 @@ def segment_spans(num_frames: int, num_segments: int) -> list[tuple[int, int]]:
             f"segment_spans: cannot split num_frames={num_frames} into num_segments={num_segments} non-empty spans; "
             f"use 1 <= num_segments <= num_frames"
         )
-    q, r = divmod(num_frames, num_segments)
-    spans, start = [], 0
-    for k in range(num_segments):
-        end = start + q + (1 if k < r else 0)
-        spans.append((start, end))
-        start = end
-    return spans
+    return [(int(a), int(b)) for a, b in uniform_spans(num_segments, num_frames)]  # the plans' even split, in frames
 
 
 def turn_points(num_frames: int, num_segments: int) -> list[float]:
