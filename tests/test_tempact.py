@@ -173,3 +173,49 @@ def test_wan_config_trains_two_iterations_on_tiny_components(tmp_path, monkeypat
     assert int(cli.model.iteration) == 2
     assert any(n.startswith("generator.") for n in changed) and any(n.startswith("planner.") for n in changed)
     assert all("lora_" in n for n in before)
+
+
+@pytest.mark.parametrize("mode,steps,executor_moves,planner_moves", [
+    ("alternate", 1, True, False), ("alternate", 2, True, True), ("joint", 1, True, True)])
+def test_update_mode_decides_which_level_steps(tiny_policy, tiny_text_encoder, tmp_path, mode, steps,
+                                               executor_moves, planner_moves):
+    """``alternate``: the executor on even iterations, the planner on odd ones; ``joint``: both every iteration."""
+    args = [*_policy_args(tiny_policy, tiny_text_encoder), f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.max_steps={steps}", "--trainer.logger=false", "--trainer.callbacks=[]",
+            "--model.init_args.planner={kind: template, splitter: shapes}", "--model.init_args.plans_per_prompt=2",
+            "--model.init_args.train_planner=true", "--model.init_args.fork_chunks=[2]",
+            f"--model.init_args.update_mode={mode}", "--data.init_args.train=shapes:train:steps2",
+            "--data.init_args.val=shapes:heldout:steps2", "--trainer.limit_val_batches=0"]
+    cli = _cli(args, run=False)
+    cli.model.configure_model()
+    gen0 = [p.detach().clone() for p in cli.model.generator.parameters()]
+    logits0 = cli.model.plan_net.logits.detach().clone()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    moved = any(not torch.equal(a, b) for a, b in zip(gen0, cli.model.generator.parameters()))
+    assert moved == executor_moves
+    assert (not torch.equal(logits0, cli.model.plan_net.logits.detach())) == planner_moves
+
+
+def test_flat_and_hierarchical_advantages_in_closed_form(tiny_policy, tiny_text_encoder):
+    """One prompt, K = 2 plans x G = 2 videos. flat: one group advantage over the 4 videos of R_plan + R_exec (std
+    "global", eps 1e-4) for the executor, its mean over G for the planner; hierarchical: the plan return is the mean
+    over G, the executor baseline the execution-group mean, both over the batch's std of the raw rewards."""
+    r_plan = torch.tensor([[[0.0, 0.0], [1.0, 1.0]]])
+    r_exec = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
+    ok = torch.ones(1, 2, 2, dtype=torch.bool)
+    flat = _method(tiny_policy, tiny_text_encoder, "--model.init_args.planner={kind: template}",
+                   "--model.init_args.plans_per_prompt=2", "--model.init_args.continuations=2",
+                   "--model.init_args.advantages=flat", "--model.init_args.clip_exec=10")
+    a_plan, a_exec = flat.advantages(r_plan, r_exec, ok, ok, 1)
+    total = torch.tensor([1.0, 2.0, 4.0, 5.0])
+    expect = (total - total.mean()) / (total.std(unbiased=False) + 1e-4)
+    torch.testing.assert_close(a_exec.reshape(-1), expect)
+    torch.testing.assert_close(a_plan.reshape(-1), expect.reshape(2, 2).mean(1))
+    hier = _method(tiny_policy, tiny_text_encoder, "--model.init_args.planner={kind: template}",
+                   "--model.init_args.plans_per_prompt=2", "--model.init_args.continuations=2",
+                   "--model.init_args.clip_exec=10", "--model.init_args.clip_plan=10")
+    a_plan, a_exec = hier.advantages(r_plan, r_exec, ok, ok, 1)
+    dev = torch.tensor([-0.5, 0.5, -0.5, 0.5])  # over the std of all raw executor rewards (TempAct's global std)
+    torch.testing.assert_close(a_exec.reshape(-1), dev / (r_exec.std(unbiased=False) + 1e-6))
+    returns = torch.tensor([0.0, 1.0])
+    torch.testing.assert_close(a_plan.reshape(-1), (returns - 0.5) / (returns.std(unbiased=False) + 1e-4))
