@@ -200,9 +200,9 @@ class TempAct(LightningModule):
         h = self.hparams
         k, g = h.plans_per_prompt, h.continuations
         video_prompts = [p for p in prompts for _ in range(k * g)]
-        spans = [s for plan in flat for s in [plan_frame_spans(plan, self.schedule.causal)] * g]
         ro = Rollouts(video_prompts, pixels, None)
-        meta = {"frame_spans": spans} if h.reward_spans == "plan" else {}
+        meta = ({"frame_spans": [plan_frame_spans(p, self.schedule.causal) for p in flat for _ in range(g)]}
+                if h.reward_spans == "plan" else {})
         ex = score(self, self.scorer, ro, iteration=iteration, meta=meta)
         pl = score(self, self.planner_scorer, ro, iteration=iteration, prefix="planner_reward", meta=meta) \
             if self.planner_scorer is not None else ex

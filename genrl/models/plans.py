@@ -28,7 +28,6 @@ import torch
 from genrl.noise import mix_seed
 
 __all__ = ["Step", "Plan", "validate_steps", "uniform_spans", "fallback_plan", "parse_plan", "plan_to_json",
-           "with_behaviour",
            "split_then", "TEMPLATE_CANDIDATES", "template_plan", "TemplatePlanner",
            "FORMAT_VALID", "FORMAT_REPAIRED", "FORMAT_FALLBACK"]
 
@@ -229,12 +228,6 @@ def plan_to_json(plan: Plan | list[Step] | tuple[Step, ...], spans: bool = True)
     steps = plan.steps if isinstance(plan, Plan) else tuple(plan)
     items = [{"prompt": s.text, "start": s.start, "end": s.end} if spans else {"prompt": s.text} for s in steps]
     return json.dumps({"steps": items}, separators=(", ", ": "))
-
-
-def with_behaviour(plan: Plan, log_probs: torch.Tensor) -> Plan:
-    """A copy of ``plan`` holding ``log_probs`` (detached) as its behaviour log-probs."""
-    return replace(plan, behaviour_log_probs=log_probs.detach().float())
-
 
 
 # ---------------------------------------------------------------------------------------------- template planner
