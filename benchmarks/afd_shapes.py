@@ -113,13 +113,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    from ar_distill_shapes import PixelFD, _load, _score, _summary, real_videos, sample_student
+    from ar_distill_shapes import _load, _score, _summary, sample_student
 
     from evaluation.shapes_eval import shapes_prompts
     from genrl.data.online_teacher import ShapesRendererTeacher
     from genrl.data.prompts import load_prompts
     from genrl.data.shapes import ShapesWorldConfig
     from genrl.data.teacher_videos import TeacherVideoStore, VideoSpec
+    from genrl.eval.gold import PixelFD, real_videos
     from genrl.models.causal import CausalConfig
     from genrl.rewards.shapes import ShapesVerifier
     from genrl.rollout.autoregressive import ChunkSchedule

@@ -40,39 +40,6 @@ def _timesteps(steps: int) -> list[float]:
     return {1: [1000.0], 2: [1000.0, 500.0], 3: [1000.0, 666.0, 333.0], 4: [1000.0, 750.0, 500.0, 250.0]}[steps]
 
 
-def real_videos(world, prompts: list[str], seed: int) -> torch.Tensor:
-    """One real video per prompt (rendered from the parsed caption), float32 [N, T, 3, H, W]."""
-    from genrl.data.shapes import parse_caption, render
-    from genrl.noise import sample_generator
-
-    return torch.stack([render(parse_caption(p, world), world, sample_generator(seed, i, 0, 99))
-                        for i, p in enumerate(prompts)])
-
-
-class PixelFD:
-    """Frechet distance in a 64-d PCA space of flattened real videos (fit once on ``reference``)."""
-
-    def __init__(self, reference: torch.Tensor, dims: int = 32) -> None:
-        x = reference.reshape(len(reference), -1).double()
-        self.mean = x.mean(0)
-        _, _, v = torch.linalg.svd(x - self.mean, full_matrices=False)
-        self.basis = v[:dims].T
-
-    def features(self, videos: torch.Tensor) -> torch.Tensor:
-        return (videos.reshape(len(videos), -1).double() - self.mean) @ self.basis
-
-    def distance(self, a: torch.Tensor, b: torch.Tensor) -> float:
-        fa, fb = self.features(a), self.features(b)
-        mu_a, mu_b = fa.mean(0), fb.mean(0)
-        ca, cb = torch.cov(fa.T), torch.cov(fb.T)
-        # tr sqrt(ca cb) via the eigenvalues of sqrt(ca) cb sqrt(ca) (symmetric PSD)
-        ea, va = torch.linalg.eigh(ca)
-        sa = va @ torch.diag(ea.clamp_min(0).sqrt()) @ va.T
-        m = sa @ cb @ sa
-        tr_sqrt = torch.linalg.eigvalsh((m + m.T) / 2).clamp_min(0).sqrt().sum()
-        return float((mu_a - mu_b).square().sum() + ca.trace() + cb.trace() - 2 * tr_sqrt)
-
-
 def _score(verifier, videos: torch.Tensor, prompts: list[str]) -> dict[str, float]:
     scores = verifier(videos, prompts)
     out = {}
@@ -151,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from evaluation.shapes_eval import shapes_prompts
     from genrl.data.shapes import ShapesWorldConfig
+    from genrl.eval.gold import PixelFD, real_videos
     from genrl.models.causal import CausalConfig
     from genrl.rewards.shapes import ShapesVerifier
     from genrl.rollout.autoregressive import ChunkSchedule

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     from dfot_shapes import train
 
     from evaluation.shapes_eval import shapes_prompts
-    from genrl.data.shapes import ShapesWorldConfig
+    from genrl.data.shapes import ShapesWorldConfig, real_videos
     from genrl.rewards.shapes import ShapesVerifier
 
     report: dict = {"args": vars(args), "threads": torch.get_num_threads(),
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     world = ShapesWorldConfig(boundary="wrap", multi_step_prob=0.0)
     verifier = ShapesVerifier(world=world)
     prompts = shapes_prompts(world, "heldout", args.prompts, seed=0, multi_step=False)
-    real = ads.real_videos(dataclasses.replace(world, num_frames=args.frames), prompts, seed=4000)
+    real = real_videos(dataclasses.replace(world, num_frames=args.frames), prompts, seed=4000)
     report["real"] = window_metrics(verifier, real, real, prompts)
     keys = keyframe_positions(args.keyframe_every, args.history, args.frames)
     report["keyframes"] = keys

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from evaluation.shapes_eval import shapes_prompts
     from genrl.data.shapes import ShapesWorldConfig
+    from genrl.eval.gold import PixelFD, real_videos
     from genrl.rewards.shapes import ShapesVerifier
 
     report: dict = {"args": vars(args), "threads": torch.get_num_threads(),
@@ -147,12 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
     world = ShapesWorldConfig()
     verifier = ShapesVerifier(world=world)
     prompts = shapes_prompts(world, "heldout", args.num_prompts, seed=0, multi_step=False)
-    fd = ads.PixelFD(ads.real_videos(world, [prompts[i % len(prompts)] for i in range(2048)], seed=1000))
-    real_a = ads.real_videos(world, prompts, seed=2000)
-    report["fd_real_vs_real"] = fd.distance(real_a, ads.real_videos(world, prompts, seed=3000))
+    fd = PixelFD(real_videos(world, [prompts[i % len(prompts)] for i in range(2048)], seed=1000))
+    real_a = real_videos(world, prompts, seed=2000)
+    report["fd_real_vs_real"] = fd.distance(real_a, real_videos(world, prompts, seed=3000))
     report["full"], report["continuation"] = {}, {}
     cont_prompts = prompts[:args.cont_prompts]
-    real_c = ads.real_videos(world, cont_prompts, seed=4000)
+    real_c = real_videos(world, cont_prompts, seed=4000)
     for name, path in models.items():
         gen = ads._load(path)
         t0 = time.perf_counter()

@@ -92,10 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
-    from ar_distill_shapes import PixelFD, _score, _summary, real_videos, sample_teacher
+    from ar_distill_shapes import _score, _summary, sample_teacher
 
     from evaluation.shapes_eval import shapes_prompts
     from genrl.data.shapes import ShapesWorldConfig
+    from genrl.eval.gold import PixelFD, real_videos
     from genrl.flow.tmd import effective_nfe
     from genrl.methods.tmd import load_transition_model
     from genrl.rewards.shapes import ShapesVerifier

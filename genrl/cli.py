@@ -10,13 +10,16 @@ dispatched before the LightningCLI is built:
 Any ``genrl.methods`` LightningModule is a ``model`` and any LightningDataModule a ``data`` (class_path /
 init_args in YAML). Config files compose left to right (``--config a.yaml --config b.yaml``), dotted
 overrides come last (``--model.cfg_scale=4``), ``--print_config`` prints the resolved typed config, and
-``--ckpt_path last`` resumes the newest checkpoint of the run.
+``--ckpt_path last`` resumes the newest checkpoint of the run. Every ``fit`` counts its training compute
+(:class:`~genrl.callbacks.ComputeCounter`: ``<default_root_dir>/compute.json``); ``--compute_budget FE`` stops it at
+the end of the first iteration whose total reaches FE forward-equivalents.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import math
 import re
 import sys
 from pathlib import Path
@@ -29,7 +32,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
 import genrl.methods  # noqa: F401  (registers genrl's methods for short class names)
 import genrl.strategies  # noqa: F401  (FSDP2Strategy by its short class name)
-from genrl.callbacks import InterruptCheckpoint, SamplingRecord, StepProgressBar, newest_last_checkpoint
+from genrl.callbacks import ComputeCounter, InterruptCheckpoint, SamplingRecord, StepProgressBar, newest_last_checkpoint
 
 __all__ = ["GenRLArgumentParser", "GenRLCLI", "check_legacy_keys", "main", "suggest_keys"]
 
@@ -169,11 +172,13 @@ def _accelerator_problem(name) -> str | None:
 
 class GenRLCLI(LightningCLI):
     """LightningCLI with genrl's defaults: subclass mode for model and data, omegaconf interpolation,
-    config saved next to the logs (overwritten on resume), optimizers configured by the methods; an
-    :class:`~genrl.callbacks.InterruptCheckpoint` on every run (Ctrl-C / SIGTERM save a resumable checkpoint and
-    print the resume command) and a :class:`~genrl.callbacks.SamplingRecord` (checkpoints record the validation
-    sampler); errors that lead with the problem (:class:`GenRLArgumentParser`); and an
-    accelerator that is not available here refused before any model is built."""
+    config saved next to the logs (overwritten on resume), optimizers configured by the methods; on every run a
+    :class:`~genrl.callbacks.ComputeCounter` (training compute in forward-equivalents, ``compute.json`` in the run's
+    ``default_root_dir``; ``--compute_budget`` stops the run once it is spent), an
+    :class:`~genrl.callbacks.InterruptCheckpoint` (Ctrl-C / SIGTERM save a resumable checkpoint and print the resume
+    command) and a :class:`~genrl.callbacks.SamplingRecord` (checkpoints record the validation sampler); errors that
+    lead with the problem (:class:`GenRLArgumentParser`); and an accelerator that is not available here refused
+    before any model is built."""
 
     def __init__(self, args=None, run: bool = True, **kwargs) -> None:
         kwargs.setdefault("subclass_mode_model", True)
@@ -187,7 +192,9 @@ class GenRLCLI(LightningCLI):
         callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
         # the resume command repeats the arguments (a CLI built with run=False is used as `fit`)
         argv = None if args is None else [*([] if run else ["fit"]), *args]
-        defaults["callbacks"] = [*callbacks, InterruptCheckpoint(argv=argv), SamplingRecord()]
+        # the counter first: its end-of-batch hook folds the iteration's counts before an interrupt checkpoint
+        self._default_counter = ComputeCounter()
+        defaults["callbacks"] = [*callbacks, self._default_counter, InterruptCheckpoint(argv=argv), SamplingRecord()]
         kwargs["trainer_defaults"] = defaults
         check_legacy_keys(args)
         super().__init__(args=args, run=run, **kwargs)
@@ -195,10 +202,14 @@ class GenRLCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's trainer, with :class:`~genrl.callbacks.StepProgressBar` in place of the rich progress bar
         Lightning adds by default (the training bar counts ``global_step`` of ``max_steps``, resumed runs
-        included); a progress bar given in ``trainer.callbacks`` is kept as it is."""
+        included); a progress bar given in ``trainer.callbacks`` is kept as it is, and so is a
+        :class:`~genrl.callbacks.ComputeCounter` given there (it replaces the default one: one counter per run)."""
         configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
         # a copy: Lightning extends the configured list in place and the Trainer appends its default bar to it
         configured = list(configured) if isinstance(configured, list) else [configured]
+        if any(isinstance(c, ComputeCounter) for c in configured):  # Lightning refuses two of a stateful callback
+            self.trainer_defaults["callbacks"] = [c for c in self.trainer_defaults.get("callbacks", [])
+                                                  if c is not self._default_counter]
         trainer = super().instantiate_trainer(**kwargs)
         bar = trainer.progress_bar_callback
         if type(bar) is RichProgressBar and not any(bar is c for c in configured):
@@ -207,23 +218,39 @@ class GenRLCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """Refuse to resume a distributed (FSDP2) checkpoint folder on a strategy that cannot read it, naming the
-        profile that can, instead of Lightning's ``IsADirectoryError``."""
+        profile that can, instead of Lightning's ``IsADirectoryError``; give ``--compute_budget`` to the run's
+        :class:`~genrl.callbacks.ComputeCounter`."""
         problem = _resume_problem(self.trainer, self._get(self.config, "ckpt_path"))
         if problem:
             raise SystemExit(f"genrl fit: {problem}")
+        budget = self._get(self.config, "compute_budget")
+        if budget is not None:
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, ComputeCounter):
+                    callback.budget = float(budget)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_dir", type=str | None, default=None,
                             help="put this run in another folder: every path under the config's "
                                  "trainer.default_root_dir (logger save_dir, checkpoint and export dirpaths) moves "
                                  "under run_dir, so a variant of a recipe does not overwrite the recipe's run")
+        parser.add_argument("--compute_budget", type=float | None, default=None,
+                            help="stop training at the end of the first iteration whose total compute reaches this "
+                                 "many forward-equivalents (one forward of the policy's network over one training "
+                                 "sample; a backward counts two; docs/evaluation.md, Counting compute); > 0")
 
     def before_instantiate_classes(self) -> None:
         """Refuse an accelerator this machine does not have (e.g. ``gpu`` without CUDA) before the model is built,
-        naming the fix ``--trainer.accelerator=cpu``; apply ``--run_dir`` (:func:`relocate_run`)."""
+        naming the fix ``--trainer.accelerator=cpu``, and a ``--compute_budget`` that is not a finite number > 0
+        (naming the value); apply ``--run_dir`` (:func:`relocate_run`)."""
         problem = _accelerator_problem(self._get(self.config, "trainer", default={}).get("accelerator"))
         if problem:
             self._parser(self.subcommand).error(problem)
+        budget = self._get(self.config, "compute_budget")
+        if budget is not None and not (math.isfinite(budget) and budget > 0):
+            self._parser(self.subcommand).error(
+                f"--compute_budget must be a finite number of forward-equivalents > 0, got {budget}; e.g. "
+                f"--compute_budget 5000 (a run's compute.json reports what its iterations cost)")
         run_dir = self._get(self.config, "run_dir")
         if run_dir:
             config = self.config[self.subcommand] if self.subcommand else self.config

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 
 from genrl.models.plans import uniform_spans
-from genrl.noise import mix_seed
+from genrl.noise import mix_seed, sample_generator
 
 __all__ = [
     "PALETTE",
@@ -95,6 +95,7 @@ __all__ = [
     "sample_seed",
     "sample",
     "heldout_prompts",
+    "real_videos",
 ]
 
 Split = Literal["train", "heldout", "all"]
@@ -929,3 +930,28 @@ def heldout_prompts(config: ShapesWorldConfig, n: int, seed: int = 0) -> list[st
             speed = names[_choice(len(names), g)] if d != "still" else None
             out.append(caption(ShapeSpec(c, s, (d,), speed)))
     return out
+
+
+def real_videos(config: ShapesWorldConfig, prompts: list[str], seed: int) -> Tensor:
+    """True videos of ``prompts``: video i is :func:`render` of ``parse_caption(prompts[i], config)`` with the
+    generator ``genrl.noise.sample_generator(seed, i, 0, 99)`` (stream 99, apart from every sampler's draws), so a
+    (prompts, seed) pair always gives the same set and different seeds give independent start positions.
+
+    The real reference of the shapes world's distribution metrics (``genrl.eval.gold``: Frechet distance, flicker gap)
+    and of the benchmarks that compare generated videos with real ones.
+
+    Args:
+        config: the world.
+        prompts: captions of ``config`` (a repeated caption gets a fresh start position at each index).
+        seed: the set's seed.
+
+    Returns:
+        float32 ``[N, T, 3, H, W]`` in [0, 1], N = len(prompts) (``[0, T, 3, H, W]`` for no prompt).
+
+    Raises:
+        ValueError: a caption that does not parse for ``config`` (:func:`parse_caption`) or does not render in it.
+    """
+    if not prompts:
+        return torch.zeros(0, config.num_frames, 3, config.height, config.width)
+    return torch.stack([render(parse_caption(p, config), config, sample_generator(seed, i, 0, 99))
+                        for i, p in enumerate(prompts)])

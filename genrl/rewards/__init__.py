@@ -3,12 +3,14 @@
 Importing this package registers every reward (heavy libraries load only when a reward is built):
 ``"shapes"`` (:class:`ShapesVerifier`), ``"shapes_video"`` (:class:`ShapesVideoReward`, differentiable),
 ``"shapes_temporal"`` (:class:`ShapesTemporalReward`, step following / switch delay / order of step plans),
-``"colorfulness"``, ``"clipscore"``, ``"pickscore"``, ``"aesthetic"``, ``"hpsv2"``, ``"imagereward"``,
-``"videoalign"``, ``"ocr"`` and ``"remote"`` (a loopback reward server).
+``"colorfulness"``, ``"brightness"`` (mean luma, or darkness: a planted hack), ``"clipscore"``, ``"pickscore"``,
+``"aesthetic"``, ``"hpsv2"``, ``"imagereward"``, ``"videoalign"``, ``"ocr"`` and ``"remote"`` (a loopback reward
+server).
 :class:`RewardManager` holds a method's rewards outside its module tree and combines them.
 """
 
 from genrl.rewards.base import RANGE_TOLERANCE, RewardModel
+from genrl.rewards.brightness import BrightnessReward
 from genrl.rewards.clip_rewards import AestheticReward, CLIPScoreReward, HPSv2Reward, PickScoreReward
 from genrl.rewards.colorfulness import ColorfulnessReward
 from genrl.rewards.image import FramePolicy, ImageRewardModel
@@ -38,6 +40,7 @@ __all__ = [
     "temporal_metrics",
     "RANGE_TOLERANCE",
     "AestheticReward",
+    "BrightnessReward",
     "CLIPScoreReward",
     "ColorfulnessReward",
     "FramePolicy",

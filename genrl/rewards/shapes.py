@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -90,7 +91,10 @@ from genrl.data.shapes import (
 from genrl.rewards.base import RewardModel
 from genrl.rewards.registry import register_reward
 
-__all__ = ["ShapesVerifier", "ShapesVideoReward", "score_windows", "track_velocity"]
+__all__ = ["ShapesVerifier", "ShapesVideoReward", "score_windows", "track_velocity", "REWARD_ATTRIBUTES"]
+
+#: The soft scores the verifier's ``"reward"`` averages (``ShapesVerifier(attributes=...)`` picks a subset).
+REWARD_ATTRIBUTES: tuple[str, ...] = ("color", "shape", "direction", "speed", "step_following", "consistency")
 
 _THRESHOLD = 0.1  # foreground margin above the per-frame median intensity
 _EMPTY_FRACTION = 0.2  # a frame is empty below this fraction of the smallest calibrated object mass
@@ -168,10 +172,16 @@ class ShapesVerifier(RewardModel):
             ``"wrap"`` world: circular centroids and unwrapped tracks, see the module docstring).
         scale, shift: affine on ``"reward"``.
         calibration_samples: renders per shape used to build the shape prototypes (deterministic).
+        attributes: the soft scores ``"reward"`` averages (of those that apply to each caption), a subset of
+            :data:`REWARD_ATTRIBUTES`; None (default) = all of them. E.g. ``[color]`` pays one attribute only (a
+            planted single-attribute hack, ``benchmarks/hacking_shapes.py``); the per-attribute keys are unchanged.
+            A sample none of whose listed attributes applies (``[speed]`` on a "staying still" caption) scores NaN
+            and is invalid.
 
     Call: ``verifier(pixels float [B, T, 3, H, W] in [0, 1], prompts: list[str]) -> dict[str, Tensor[B]]``.
 
     Raises:
+        ValueError: ``attributes`` empty or naming an unknown attribute.
         ValueError (at call): a caption that does not parse for ``world`` (unknown word, malformed); frames
             whose size differs from ``world``'s; a caption that states motion for single-frame pixels;
             plus the protocol's input checks (rank, C = 3, range, number of prompts).
@@ -191,8 +201,16 @@ class ShapesVerifier(RewardModel):
         scale: float = 1.0,
         shift: float = 0.0,
         calibration_samples: int = 32,
+        attributes: Sequence[str] | None = None,
     ) -> None:
         super().__init__(scale=scale, shift=shift)
+        if attributes is not None:
+            attributes = tuple(attributes)
+            unknown = [a for a in attributes if a not in REWARD_ATTRIBUTES]
+            if not attributes or unknown:
+                raise ValueError(f"ShapesVerifier: attributes must be a non-empty subset of {REWARD_ATTRIBUTES}, got "
+                                 f"{list(attributes)}")
+        self.attributes = attributes
         if world is None:
             world = ShapesWorldConfig()
         elif isinstance(world, dict):
@@ -389,7 +407,13 @@ class ShapesVerifier(RewardModel):
                 raise ValueError(f"caption {p!r} states motion but the pixels have a single frame (T=1)")
         dev = self.palette.device  # score where the verifier lives (move it with .to(device))
         x = torch.nan_to_num(pixels.detach().float(), nan=0.0, posinf=1.0, neginf=0.0).clamp(0, 1).to(dev)
-        return self._scores(x, specs)[0]
+        out = self._scores(x, specs)[0]
+        if self.attributes is not None:  # the mean of the listed soft scores that apply (NaN when none does)
+            parts = torch.stack([out[a] for a in self.attributes], dim=1)
+            applies = (~parts.isnan()).sum(1)
+            out["reward"] = torch.where(applies > 0, parts.nansum(1) / applies.clamp(min=1),
+                                        torch.full_like(out["reward"], float("nan")))
+        return out
 
     def _scores(self, x: Tensor, specs: list[ShapeSpec], smooth: bool = False) -> tuple[dict[str, Tensor],
                                                                                        dict[str, Tensor]]:
@@ -496,7 +520,8 @@ class ShapesVerifier(RewardModel):
         }, {"color": p_color, "shape": p_shape}
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, world={asdict(self.world)}"
+        chosen = "" if self.attributes is None else f", attributes={list(self.attributes)}"
+        return f"{super().extra_repr()}, world={asdict(self.world)}{chosen}"
 
 
 @register_reward("shapes_video")
