@@ -1,5 +1,6 @@
 """``python -m evaluation <command>``: run an evaluation, compare runs, rewrite a report, list dimensions, import
-results of the official ``vbench`` package. ``python -m evaluation <command> --help`` for each command's flags."""
+results of the official ``vbench`` package, run a method arena. ``python -m evaluation <command> --help`` for each
+command's flags."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ COMMANDS = {
     "report": "rewrite report.md / report.html / plots from a results.json",
     "dimensions": "list the VBench dimensions, which are native / proxy, and the weights each needs",
     "vbench-import": "turn the official vbench package's *_eval_results.json into a results.json for compare",
+    "arena": "train every entrant of an arena config at equal compute, evaluate, write the leaderboard",
 }
 
 
@@ -33,12 +35,14 @@ def main(argv: list[str] | None = None) -> int:
             from evaluation.compare import main as run
         elif command == "report":
             from evaluation.report import main as run
+        elif command == "arena":
+            from evaluation.arena import main as run
         elif command == "dimensions":
             from evaluation.vbench_official import list_dimensions as run
         else:
             from evaluation.vbench_official import main as run
         run(rest)
-    except (FileNotFoundError, ValueError, ImportError) as e:  # bad paths / inputs: the message says what to fix
+    except (FileNotFoundError, ValueError, ImportError, RuntimeError) as e:  # bad inputs / a failed run: said plainly
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
