@@ -454,9 +454,11 @@ def real_set(arena: Arena) -> Path | None:
     return folder
 
 
-def evaluate_model(arena: Arena, model: Path, dest: Path) -> dict[str, dict]:
+def evaluate_model(arena: Arena, model: Path, dest: Path, recorded_flags: str = "") -> dict[str, dict]:
     """Sample ``model`` on the held-out prompts with each sampler and sampling seed, score with the runner and the
-    gold metrics; cached in ``<dest>/arena_eval.json``. Returns ``{sampler: {metric: {"mean", "per_seed"}}}``."""
+    gold metrics; cached in ``<dest>/arena_eval.json``. ``recorded_flags`` stand in for the sampler a model without a
+    recorded one (the start) is evaluated with under ``recorded``. Returns ``{sampler: {"settings", "metrics":
+    {metric: {"mean", "per_seed"}}}}`` (or ``{"same_as": sampler}`` / ``{"error": message}``)."""
     cached = _read_json(dest / "arena_eval.json")
     if cached is not None:
         return cached
@@ -485,7 +487,7 @@ def evaluate_model(arena: Arena, model: Path, dest: Path) -> dict[str, dict]:
             argv = ["--model", str(model), "--prompts", str(prompt_file), "--samples-per-prompt",
                     str(int(ev.get("samples_per_prompt", 1))), "--seed", str(s), "--out", str(folder),
                     "--batch-size", str(int(ev.get("batch_size", 64))), *shlex.split(ev.get("generate_flags") or ""),
-                    *shlex.split(flags or "")]
+                    *shlex.split(flags or (recorded_flags if sampler == "recorded" else ""))]
             t0 = time.perf_counter()
             try:
                 records = generate.main(argv)
@@ -541,7 +543,8 @@ def _mean(values: list[float]) -> float | None:
 
 def evaluate(arena: Arena, only: list[str] | None = None) -> dict[str, Any]:
     """Evaluate the start and every finished run's export (cached per run; ``only``: these entrants)."""
-    out = {"start": evaluate_model(arena, _resolve(arena.start), arena.out / "eval" / "start"), "runs": {}}
+    out = {"start": evaluate_model(arena, _resolve(arena.start), arena.out / "eval" / "start",
+                                   arena.evaluation.get("start_recorded") or ""), "runs": {}}
     for e in arena.entrants:
         if only and e.name not in only:
             continue

@@ -209,12 +209,15 @@ def _plots(board: dict, arena, out: Path) -> list[tuple[str, str]]:
         ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
     ax.set_xlabel("training compute (network forward-equivalents)")
     ax.set_ylabel(arena.evaluation.get("curve_metric", "val/total") + " (held-out validation)")
-    ax.set_title("held-out reward against compute (band: min-max over training seeds)")
+    ax.set_title("held-out validation reward against compute (each entrant's own validation; band: min-max over "
+                 "training seeds)", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(plots / "reward_vs_compute.png", dpi=110)
     plt.close(fig)
-    made.append(("held-out reward against compute", "plots/reward_vs_compute.png"))
+    made.append(("held-out validation reward against training compute, as each entrant logged it during training "
+                 "(its own validation prompts, batch and sampler: compare slopes, not levels, across methods)",
+                 "plots/reward_vs_compute.png"))
 
     rs, cols = board["rank_sampler"], _metric_columns(board)
     fig, axes = plt.subplots(1, len(cols), figsize=(3.2 * len(cols), 3.6), squeeze=False)

@@ -128,6 +128,7 @@ def _tiny_arena(tmp_path: Path, tiny_policy: str, tiny_text_encoder: str, entran
         "evaluation": {"prompts": "shapes:heldout", "limit": 2, "samples_per_prompt": 2, "seeds": [1000],
                        "samplers": {"recorded": "", "common": "--steps 2 --cfg-scale 1"},
                        "generate_flags": f"--text-encoder {tiny_text_encoder}",
+                       "start_recorded": "--steps 3 --cfg-scale 1",
                        "rewards": ["shapes"], "dimensions": ["temporal_flickering"], "real": "shapes",
                        "gold": "shapes/reward", "training_reward": "shapes/reward"},
     }
@@ -152,6 +153,9 @@ def test_tiny_arena_end_to_end_rerun_identical_and_one_line_entrant(tmp_path, ti
                  "plots/strips.png"):
         assert (out / name).is_file(), name
     assert board["protocol"]["config_hash"] == A.load_arena(config).config_hash
+    start_eval = json.loads((out / "eval/start/arena_eval.json").read_text())
+    assert start_eval["recorded"]["settings"]["steps"] == 3  # start_recorded: the start recorded no sampler
+    assert start_eval["common"]["settings"]["steps"] == 2 and start_eval["recorded"]["metrics"]["nfe"]["mean"] == 3
 
     # a finished arena rereads to the identical leaderboard.json (nothing retrained, nothing re-evaluated)
     A.main(["--config", str(config), "--report"])
