@@ -172,3 +172,28 @@ def test_tiny_arena_end_to_end_rerun_identical_and_one_line_entrant(tmp_path, ti
     assert fd["grpo"] != fd["grpo_lr"]  # the entrant's own flag (lr 0.1) wins over the common config's lr
     assert (out / "runs/grpo/s0/compute.json").stat().st_mtime == mtime
     assert "grpo_lr" in (out / "leaderboard.md").read_text()
+
+
+def test_only_and_locks_share_the_work_between_processes(tmp_path, monkeypatch):
+    """A run folder whose arena.lock names another live process is left to it (this pid's own lock and a dead pid's
+    are not locks); --only with a name that is not an entrant fails before anything runs, naming it."""
+    import os
+    import subprocess
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    assert not A._locked(folder)  # no lock file
+    (folder / "arena.lock").write_text(str(os.getpid()))
+    assert not A._locked(folder)  # this process's own lock
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (folder / "arena.lock").write_text(str(other.pid))
+        assert A._locked(folder)
+    finally:
+        other.kill()
+        other.wait()
+    assert not A._locked(folder)  # the process is gone
+    config = _write(tmp_path, _base(tmp_path))
+    with pytest.raises(A.ArenaConfigError, match=r"--only names \['dmd'\], which are not entrants"):
+        A.main(["--config", str(config), "--only", "grpo,dmd"])
+    assert not (tmp_path / "out").exists()
