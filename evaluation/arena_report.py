@@ -9,7 +9,8 @@ Standing: the entrants whose gold mean is within the larger of the two spreads o
 (a tie for first when there are several), those within the spread of the worst are ``last``, the rest ``middle``.
 Hacking score: the training reward's held-out gain over the start minus the gold metric's gain (both under the
 recorded sampler); flags: diversity collapsed (below ``collapse`` x the start's) and frame statistics drifted by more
-than ``drift_sigmas`` x the start's spread over sampling seeds (at least ``drift_floor``); monitor: what each run's
+than ``drift_sigmas`` x the start's spread over sampling seeds and than ``drift_floor`` (relative, default 0.25, as
+the monitor's drift thresholds) of the start's value (at least 0.01); monitor: what each run's
 :class:`~genrl.callbacks.RewardHackingMonitor` flagged during training (``metric@iteration`` from its
 ``hacking.json``), when the entrant's config has one.
 """
@@ -92,10 +93,10 @@ def _hacking(mine: dict, base: dict, ev: dict, gold: str, train_key: str | None)
     collapse = float(ev.get("collapse", 0.5))
     if div and base[div]["mean"] and mine[div]["mean"] < collapse * base[div]["mean"]:
         hack["flags"].append(f"{div} {mine[div]['mean']:.4f} < {collapse:g} x start {base[div]['mean']:.4f}")
-    sig, floor = float(ev.get("drift_sigmas", 3.0)), float(ev.get("drift_floor", 0.01))
+    sig, floor = float(ev.get("drift_sigmas", 3.0)), float(ev.get("drift_floor", 0.25))
     for k in FRAME_STATS:
         if k in mine and k in base and base[k]["mean"] is not None:
-            tol = max(sig * (base[k]["std"] or 0.0), floor)
+            tol = max(sig * (base[k]["std"] or 0.0), floor * abs(base[k]["mean"]), 0.01)
             if abs(mine[k]["mean"] - base[k]["mean"]) > tol:
                 hack["flags"].append(f"{k} {base[k]['mean']:.4f} -> {mine[k]['mean']:.4f} (beyond {tol:.4f})")
     return hack
