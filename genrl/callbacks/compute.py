@@ -191,7 +191,10 @@ class ComputeCounter(Callback):
         # this fit's bookkeeping
         self._pending: dict[str, _Tally] = {}
         self._handles: list = []
-        self._active = False
+        self._active = False  # a training batch is open: its counts are pending
+        # the hooks count from the start to the end of training, validation included (its counts are dropped): a
+        # compiled network traces its hooks, and a flag that flipped for validation would recompile it
+        self._counting = False
         self._fit_start: float | None = None
         self._restored = False
         self._frames: int | None = None
@@ -311,7 +314,7 @@ class ComputeCounter(Callback):
         def pre(mod, args, kwargs):
             # a call inside another counted pass of the role, outside a training batch, inside a backward pass
             # (gradient-checkpoint recomputation), or a trunk stage run as an FSDP2 root's forward: not a pass
-            if not self._active or depth[0] or _in_backward() or "forward" in vars(mod):
+            if not self._counting or depth[0] or _in_backward() or "forward" in vars(mod):
                 stack.append(None)
                 return
             x = _main_input(args, kwargs)
@@ -364,6 +367,7 @@ class ComputeCounter(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._install(trainer, pl_module)
+        self._counting = True
         if self._restored:
             self._recover_history(trainer)
         self.stopped_by_budget = False  # this fit's outcome (a resumed run may have a larger budget)
@@ -406,7 +410,13 @@ class ComputeCounter(Callback):
         for role, tally in pending.items():
             self.per_role.setdefault(role, _Tally()).add(tally)
 
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._active:  # between training batches: what the validation runs is not training compute
+            self._pending = {}
+
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._active:
+            self._pending = {}
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self._update_memory(pl_module)
@@ -429,6 +439,7 @@ class ComputeCounter(Callback):
         # the batch stays open: a checkpoint written on this exception after a finished step (InterruptCheckpoint)
         # includes its counts and its iteration
         self._close_wall()
+        self._counting = False
         self._remove()
         try:
             self._write(trainer, finished=False)
@@ -436,10 +447,11 @@ class ComputeCounter(Callback):
             rank_zero_warn(f"ComputeCounter: could not write {self.path(trainer)} after the interruption: {e}")
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._counting = False
         self._remove()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._active = False
+        self._active = self._counting = False
         self._remove()
 
     # ------------------------------------------------------------------ wall time, memory
