@@ -263,19 +263,20 @@ def _fit_command(arena: Arena, e: Entrant, run_dir: Path, seed: int, *, budget: 
     return cmd + (["--ckpt_path", "last"] if resume else [])
 
 
-def _read_json(path: Path) -> dict | None:
+def read_record(path: Path) -> dict | None:
+    """The JSON record at ``path`` (compute.json, arena_run.json, arena_eval.json, ...), or None when it is missing
+    or unreadable (a run that never wrote it, or was cut while writing it)."""
     try:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    from genrl.data.video_io import atomic_write
+def write_record(path: Path, obj: Any) -> None:
+    """Write an arena record: strict JSON (NaN -> null), sorted keys, atomically (so a rerun reads it back as is)."""
+    from genrl.data.video_io import write_json
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(obj, indent=1, sort_keys=True)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    write_json(path, obj, indent=1, sort_keys=True)
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -316,12 +317,12 @@ def probe(arena: Arena) -> dict[str, dict]:
     costs = {}
     for e in arena.entrants:
         folder = arena.out / "probe" / e.name
-        record = _read_json(folder / "compute.json")
+        record = read_record(folder / "compute.json")
         if not (record and record.get("finished")):
             print(f"[arena] probe {e.name}: one iteration", flush=True)
             _run(_fit_command(arena, e, folder, arena.seeds[0], budget=1e-6, max_steps=arena.max_steps,
                               resume=False) + ["--trainer.limit_val_batches=0"], folder / "probe.log")
-            record = _read_json(folder / "compute.json") or {}
+            record = read_record(folder / "compute.json") or {}
         iters = max(1, int(record.get("iterations", 1)))
         costs[e.name] = {"forward_equivalents_per_iteration": record["forward_equivalents"] / iters,
                          "optimizer_steps_per_iteration": max(1, int(record.get("global_step", 1))) / iters}
@@ -369,7 +370,7 @@ def train(arena: Arena, only: list[str] | None = None) -> dict[str, dict[int, di
             continue
         for seed in arena.seeds:
             folder = run_dir(arena, e.name, seed)
-            record = _read_json(folder / "compute.json")
+            record = read_record(folder / "compute.json")
             if not (record and record.get("finished")) and _locked(folder):
                 print(f"[arena] {e.name} seed {seed}: another arena process is training it; skipped", flush=True)
                 continue
@@ -382,14 +383,14 @@ def train(arena: Arena, only: list[str] | None = None) -> dict[str, dict[int, di
                 print(f"[arena] train {e.name} seed {seed}{' (resumed)' if resume else ''}", flush=True)
                 t0 = time.time()
                 _run(cmd, folder / "train.log")
-                record = _read_json(folder / "compute.json") or {}
-                meta = _read_json(folder / "arena_run.json") or {"commands": []}
+                record = read_record(folder / "compute.json") or {}
+                meta = read_record(folder / "arena_run.json") or {"commands": []}
                 meta["commands"].append(shlex.join(cmd))
                 meta.update(entrant=e.name, line=e.line, seed=seed, machine=machine(), versions=versions(),
                             genrl_commit=genrl_commit())
                 meta.setdefault("process_wall_s", 0.0)
                 meta["process_wall_s"] = round(meta["process_wall_s"] + time.time() - t0, 1)
-                _write_json(folder / "arena_run.json", meta)
+                write_record(folder / "arena_run.json", meta)
                 (folder / "arena.lock").unlink(missing_ok=True)
             out.setdefault(e.name, {})[seed] = record
     return out
@@ -459,7 +460,7 @@ def evaluate_model(arena: Arena, model: Path, dest: Path, recorded_flags: str = 
     gold metrics; cached in ``<dest>/arena_eval.json``. ``recorded_flags`` stand in for the sampler a model without a
     recorded one (the start) is evaluated with under ``recorded``. Returns ``{sampler: {"settings", "metrics":
     {metric: {"mean", "per_seed"}}}}`` (or ``{"same_as": sampler}`` / ``{"error": message}``)."""
-    cached = _read_json(dest / "arena_eval.json")
+    cached = read_record(dest / "arena_eval.json")
     if cached is not None:
         return cached
     from evaluation.run import main as run_main
@@ -523,7 +524,7 @@ def evaluate_model(arena: Arena, model: Path, dest: Path, recorded_flags: str = 
         metrics.update(nfe={"mean": nfe, "per_seed": [nfe]}, frames_per_s={"mean": fps, "per_seed": [fps]})
         result[sampler] = {"settings": {k: v for k, v in settings.items() if k not in ("seed", "model")},
                            "metrics": metrics}
-    _write_json(dest / "arena_eval.json", result)
+    write_record(dest / "arena_eval.json", result)
     return result
 
 
@@ -620,18 +621,18 @@ def main(argv: list[str] | None = None) -> dict:
         prepared = prepare(arena)
         costs = {} if args.no_probe else probe(arena)
         if costs:
-            _write_json(arena.out / "probe.json", costs)
+            write_record(arena.out / "probe.json", costs)
         if args.check:
             print(f"[arena] {arena.name}: config ok ({len(arena.entrants)} entrants x {len(arena.seeds)} seeds)")
             return {"costs": costs}
         if not (arena.out / "protocol.json").is_file():
-            _write_json(arena.out / "protocol.json", {
+            write_record(arena.out / "protocol.json", {
                 "protocol": PROTOCOL, "config": str(arena.path), "config_hash": arena.config_hash,
                 "genrl_commit": genrl_commit(), "versions": versions(), "machine": machine(),
                 "prepare": prepared, "command": "python -m evaluation arena --config " + str(arena.path)})
         train(arena, only)
     unfinished = [f"{e.name} seed {s}" for e in arena.entrants for s in arena.seeds
-                  if not (_read_json(run_dir(arena, e.name, s) / "compute.json") or {}).get("finished")]
+                  if not (read_record(run_dir(arena, e.name, s) / "compute.json") or {}).get("finished")]
     if only:
         evaluate(arena, only)
         print(f"[arena] done: {', '.join(only)}" + (f"; still unfinished: {', '.join(unfinished)}" if unfinished

@@ -104,7 +104,7 @@ def _hacking(mine: dict, base: dict, ev: dict, gold: str, train_key: str | None)
 
 def build_leaderboard(arena, evaluated: dict) -> dict[str, Any]:
     """The leaderboard dict from the arena and :func:`evaluation.arena.evaluate`'s output (see module docstring)."""
-    from evaluation.arena import _read_json, method_of, run_dir
+    from evaluation.arena import method_of, read_record, run_dir
 
     ev = arena.evaluation
     gold, train_key = ev["gold"], ev.get("training_reward")
@@ -116,8 +116,8 @@ def build_leaderboard(arena, evaluated: dict) -> dict[str, Any]:
     start.update({s: start[b["same_as"]] for s, b in evaluated["start"].items() if "same_as" in b})
     rows = []
     for e in arena.entrants:
-        records = {seed: _read_json(run_dir(arena, e.name, seed) / "compute.json") or {} for seed in arena.seeds}
-        metas = {seed: _read_json(run_dir(arena, e.name, seed) / "arena_run.json") or {} for seed in arena.seeds}
+        records = {seed: read_record(run_dir(arena, e.name, seed) / "compute.json") or {} for seed in arena.seeds}
+        metas = {seed: read_record(run_dir(arena, e.name, seed) / "arena_run.json") or {} for seed in arena.seeds}
         per = evaluated["runs"][e.name]
         row: dict[str, Any] = {
             "name": e.name, "line": e.line, "method": method_of(e), "note": arena.notes.get(e.name),
@@ -128,7 +128,7 @@ def build_leaderboard(arena, evaluated: dict) -> dict[str, Any]:
             "curve": _curve(records, ev.get("curve_metric", "val/total")),
             "commands": {str(s): m.get("commands", []) for s, m in metas.items()},
             "genrl_commit": sorted({m.get("genrl_commit", "unknown") for m in metas.values()}),
-            "monitor": {str(seed): [f"{f['metric']}@{f['iteration']}" for f in (_read_json(
+            "monitor": {str(seed): [f"{f['metric']}@{f['iteration']}" for f in (read_record(
                 run_dir(arena, e.name, seed) / "hacking.json") or {}).get("flags", [])] for seed in arena.seeds},
         }
         row["hacking"] = _hacking(row["samplers"].get(samplers[0], {}), start.get(samplers[0], {}), ev, gold,
@@ -136,7 +136,7 @@ def build_leaderboard(arena, evaluated: dict) -> dict[str, Any]:
         rows.append(row)
     _standing(rows, gold, rank_sampler, higher)
     rows.sort(key=lambda r: r.get("rank", 10**6))
-    protocol = _read_json(arena.out / "protocol.json") or {}
+    protocol = read_record(arena.out / "protocol.json") or {}
     protocol.update(config=str(arena.path), config_hash=arena.config_hash, name=arena.name, budget=arena.budget,
                     seeds=arena.seeds, start=arena.start, evaluation=ev,
                     entrants={e.name: e.line for e in arena.entrants})
@@ -323,10 +323,10 @@ def _html(board: dict, plots: list[tuple[str, str]]) -> str:
 
 def write_leaderboard(arena, board: dict) -> dict[str, Path]:
     """Write leaderboard.json / .md / .html and plots/ under the arena's ``out`` (and copy them to ``publish``)."""
-    from evaluation.arena import _write_json
+    from evaluation.arena import write_record
 
     out = arena.out
-    _write_json(out / "leaderboard.json", board)
+    write_record(out / "leaderboard.json", board)
     plots = _plots(board, arena, out)
     (out / "leaderboard.md").write_text(_markdown(board, plots))
     (out / "leaderboard.html").write_text(_html(board, plots))

@@ -30,7 +30,6 @@ Output (``--out``, default ``<videos>/eval``): ``results.json``, ``report.md``, 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -392,10 +391,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     results["elapsed_s"] = round(time.perf_counter() - t0, 2)
 
     out.mkdir(parents=True, exist_ok=True)
-    from genrl.data.video_io import atomic_write
+    from genrl.data.video_io import write_json
 
-    text = json.dumps(_finite(results), indent=1, ensure_ascii=False)
-    atomic_write(out / RESULTS_FILE, lambda tmp: Path(tmp).write_text(text))
+    write_json(out / RESULTS_FILE, results, indent=1)
     if not args.no_report:
         from evaluation.report import write_report
 
@@ -421,19 +419,6 @@ def _result(value: float, weight: float):
     from genrl.eval.dimensions import DimensionResult
 
     return DimensionResult(value=value, weight=weight)
-
-
-def _finite(obj: Any) -> Any:
-    """NaN / inf -> None, so results.json is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -85,6 +85,18 @@ def tiny_policy(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def shapes_teacher(tmp_path_factory, tiny_policy, tiny_text_encoder) -> str:
+    """A teacher-video folder (pipelines/generate.py's manifest and mp4s) of the tiny random policy: 6 shapes:train
+    prompts, 2 Euler steps; AFD's data in the tests."""
+    from pipelines.generate import main as generate
+
+    out = tmp_path_factory.mktemp("teacher") / "shapes"
+    generate(["--model", tiny_policy, "--text-encoder", tiny_text_encoder, "--prompts", "shapes:train", "--limit", "6",
+              "--steps", "2", "--out", str(out), "--device", "cpu"])
+    return str(out)
+
+
 @pytest.fixture
 def tiny_causal(tiny_policy, tiny_text_encoder) -> list[str]:
     """CLI overrides that make configs/dmd/shapes.yaml's student and teacher the tiny random policy."""

@@ -19,16 +19,6 @@ AFD_CFG = str(ROOT / "configs/afd/shapes.yaml")
 TINY = str(ROOT / "configs/tiny/afd.yaml")
 
 
-@pytest.fixture(scope="module")
-def shapes_teacher(tmp_path_factory, tiny_policy, tiny_text_encoder) -> str:
-    from pipelines.generate import main as generate
-
-    out = tmp_path_factory.mktemp("teacher") / "shapes"
-    generate(["--model", tiny_policy, "--text-encoder", tiny_text_encoder, "--prompts", "shapes:train", "--limit", "6",
-              "--steps", "2", "--out", str(out), "--device", "cpu"])
-    return str(out)
-
-
 def _cli(args: list[str], run: bool = True) -> GenRLCLI:
     import genrl.data  # noqa: F401
     import genrl.methods  # noqa: F401

@@ -104,7 +104,7 @@ def test_probe_refuses_a_budget_no_entrant_can_reach(tmp_path, monkeypatch):
     def fake_run(cmd, log):
         folder = Path(next(c for c in cmd if c.startswith("--run_dir=")).split("=", 1)[1])
         name = folder.name
-        A._write_json(folder / "compute.json", {"finished": True, "forward_equivalents": costs[name],
+        A.write_record(folder / "compute.json", {"finished": True, "forward_equivalents": costs[name],
                                                 "iterations": 1, "global_step": 1})
 
     monkeypatch.setattr(A, "_run", fake_run)

@@ -351,16 +351,6 @@ def test_tmd_counts_backbone_and_head_block_passes_and_the_head_by_its_size(tmp_
     assert rec["per_role"]["generator"]["calls"] == 0  # the transformer's forward never ran
 
 
-@pytest.fixture(scope="module")
-def shapes_teacher(tmp_path_factory, tiny_policy, tiny_text_encoder) -> str:
-    from pipelines.generate import main as generate
-
-    out = tmp_path_factory.mktemp("teacher") / "shapes"
-    generate(["--model", tiny_policy, "--text-encoder", tiny_text_encoder, "--prompts", "shapes:train", "--limit", "4",
-              "--steps", "1", "--out", str(out), "--device", "cpu"])
-    return str(out)
-
-
 def test_afd_counts_the_discriminator_by_its_size_and_r1_as_a_second_backward(tmp_path, monkeypatch, tiny_policy,
                                                                              tiny_text_encoder, shapes_teacher):
     """AFD on configs/tiny/afd.yaml: 2 prompts x K = 2 student rollouts (8 frames in chunks of 2, S = 2 steps: 3 chunk

@@ -199,3 +199,19 @@ def test_datamodule_folder_errors(tmp_path):
 
     with pytest.raises(ValueError, match="num_frames"):
         VideoFolderDataModule(str(tmp_path), num_frames=0)
+
+
+def test_write_json_is_strict_and_atomic(tmp_path):
+    """NaN / inf become null, tensors lists, paths strings; a value JSON cannot hold raises and leaves the old file."""
+    import math
+
+    from genrl.data.video_io import strict_json, write_json
+
+    obj = {"a": math.nan, "b": [1.5, -math.inf, (2, torch.tensor([0.5, math.nan]))], 3: tmp_path / "x"}
+    assert strict_json(obj) == {"a": None, "b": [1.5, None, [2, [0.5, None]]], "3": str(tmp_path / "x")}
+    path = write_json(tmp_path / "r" / "rec.json", obj, indent=None, sort_keys=True)
+    assert path.read_text() == '{"3": "%s", "a": null, "b": [1.5, null, [2, [0.5, null]]]}\n' % (tmp_path / "x")
+    assert json.loads(path.read_text())["a"] is None
+    with pytest.raises(TypeError):
+        write_json(path, {"bad": object()})
+    assert json.loads(path.read_text())["b"][0] == 1.5 and list(path.parent.iterdir()) == [path]

@@ -61,7 +61,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from genrl.data.video_io import atomic_write
+from genrl.data.video_io import write_json
 from genrl.models.dit import VideoDiT
 from genrl.models.roles import LaggedCopy, RolloutCopy
 
@@ -498,8 +498,7 @@ class ComputeCounter(Callback):
     def _write(self, trainer: Trainer, finished: bool) -> None:
         if not trainer.is_global_zero:
             return
-        text = json.dumps(self.record(trainer, finished), indent=2) + "\n"
-        atomic_write(self.path(trainer), lambda tmp: Path(tmp).write_text(text))
+        write_json(self.path(trainer), self.record(trainer, finished))
 
     def _recover_history(self, trainer: Trainer) -> None:
         """Add the rows of validations that ran right after the restored iteration (in compute.json, not in the

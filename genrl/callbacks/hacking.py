@@ -3,7 +3,6 @@ optionally a stop) when the reward rises while a gold metric moves the bad way."
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -16,6 +15,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from genrl.data.shapes import ShapesWorldConfig, real_videos
+from genrl.data.video_io import write_json
 from genrl.eval.gold import NEAR_CONSTANT_STD, PixelFD, gold_metrics
 from genrl.rewards.manager import RewardManager
 
@@ -411,21 +411,4 @@ class RewardHackingMonitor(Callback):
     def _write(self, trainer: Trainer) -> None:
         if not trainer.is_global_zero:
             return
-        path = Path(trainer.default_root_dir) / self.filename
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(_jsonable(self.record()), indent=2, allow_nan=False, default=str))
-        os.replace(tmp, path)
-
-
-def _jsonable(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None (strict JSON) and tensors as lists."""
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
+        write_json(Path(trainer.default_root_dir) / self.filename, self.record())

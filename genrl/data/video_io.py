@@ -9,6 +9,9 @@ to ``[B, T, 3, H, W]`` for rewards and metrics.
 - :func:`write_video` encodes H.264 / yuv420p mp4 with PyAV, atomically.
 - :func:`probe_video` reads only the container header (frame count, frame rate, size).
 - :func:`clip_indices` is the frame-sampling rule shared by reading and probing.
+- :func:`atomic_write` and :func:`write_json` write every run artefact (videos, manifests, compute / hacking /
+  evaluation records) so that a reader never sees a partial file; :func:`strict_json` is the one rule for values
+  JSON cannot hold (NaN / inf become null).
 
 Every failure to open or decode a file is a :class:`VideoReadError` that names the file and says
 how to fix it; a missing file is a :class:`FileNotFoundError`.
@@ -16,6 +19,7 @@ how to fix it; a missing file is a :class:`FileNotFoundError`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -30,6 +34,8 @@ import torch.nn.functional as F
 
 __all__ = [
     "atomic_write",
+    "strict_json",
+    "write_json",
     "VideoInfo",
     "VideoReadError",
     "clip_indices",
@@ -370,6 +376,34 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
             os.remove(tmp)
         raise
     return path
+
+
+def strict_json(value: object) -> object:
+    """``value`` made strict JSON: every non-finite float (NaN, +-inf) becomes None, tensors become (nested) lists,
+    paths become strings, tuples become lists and mapping keys become strings; everything else is returned as is
+    (``json.dumps`` raises on what it still cannot hold)."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, dict):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def write_json(path: str | os.PathLike, obj: object, indent: int | None = 2, sort_keys: bool = False) -> Path:
+    """Write ``obj`` to ``path`` as strict JSON (:func:`strict_json`, then ``allow_nan=False``), atomically
+    (:func:`atomic_write`), with a trailing newline. Returns ``Path(path)``.
+
+    Raises:
+        TypeError: a value JSON cannot encode (nothing is written).
+    """
+    text = json.dumps(strict_json(obj), indent=indent, sort_keys=sort_keys, allow_nan=False, ensure_ascii=False)
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
 
 
 def write_video(
