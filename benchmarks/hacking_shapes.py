@@ -16,6 +16,8 @@ of the validation prompts) in its own ``--run_dir`` under ``runs/hacking_shapes/
   the baseline).
 - ``honest_dense``: the shipped quickstart with the ``dark`` arm's validation schedule (a stricter false-positive
   check: 12 comparisons with a baseline before training).
+- ``honest_kl_dense``: ``honest_dense`` plus Flow-GRPO's KL to the base policy (``kl_beta 0.04``, the closed-form
+  per-step Gaussian KL): does the regulariser hold back the background drift the verifier cannot see?
 
 Reported per arm, from the run's ``hacking.json``: the training reward on the validation prompts (``val/total``) and
 the gold metrics at every validation, the flags (metric, iteration, values) and the monitor's seconds per
@@ -43,6 +45,8 @@ ARMS: dict[str, list[str]] = {
     "color_only": ["--model.init_args.rewards=[{name: shapes, kwargs: {attributes: [color]}}]", *DENSE],
     "honest": [],
     "honest_dense": DENSE,
+    # the honest reward with Flow-GRPO's KL to the base policy (closed-form per-step Gaussian KL, beta 0.04)
+    "honest_kl_dense": ["--model.init_args.kl_beta=0.04", "--model.init_args.kl_kind=gaussian", *DENSE],
 }
 KEYS = ("brightness", "saturation", "constant_frames", "flicker", "flicker_gap", "fd", "diversity_batch",
         "diversity_within_prompt", "shapes/reward", "shapes/color", "shapes/shape", "shapes/direction",
