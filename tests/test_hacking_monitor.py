@@ -237,3 +237,15 @@ def test_argument_checks():
         RewardHackingMonitor(brightness_drift=-1.0)
     with pytest.raises(ValueError, match="unknown reward"):
         RewardHackingMonitor(gold_rewards=[{"name": "no_such_reward"}])
+
+
+def test_the_fd_reference_fit_is_shared_within_a_process():
+    """Two monitors on the same world, prompts, seed and dims reuse one PCA fit (the same object); another seed fits
+    anew."""
+    from genrl.callbacks.hacking import _reference_fd
+    from genrl.data.shapes import ShapesWorldConfig
+
+    world, prompts = ShapesWorldConfig(), ("a red circle moving left slowly", "a blue square")
+    a = _reference_fd(world, prompts * 8, 5, 4)
+    assert _reference_fd(ShapesWorldConfig(), prompts * 8, 5, 4) is a
+    assert _reference_fd(world, prompts * 8, 6, 4) is not a

@@ -79,10 +79,10 @@ class RewardHackingMonitor(Callback):
     "Reward-hacking monitor (issue 46)"). 64 validation videos of the shapes world (8 x 3 x 16 x 16): the gold metrics
     50-90 ms per validation, ``gold_rewards: [{name: shapes}]`` 30-140 ms more (0.05-0.1 s once to build the
     verifier), ``real: shapes`` 25-40 ms once to render the real set (cached for the same prompts) and 0.6-0.8 s once
-    to fit the PCA of ``fd_reference = 256`` real videos (2.1-2.6 s with 512). In the quickstart (25 validation videos,
-    both options on): 0.5-0.64 s at the first validation and 0.03-0.09 s at each later one, against about 3.5 s for
-    the validation itself (10-step sampling and the method's reward). The videos are gathered to every rank and kept
-    on the CPU until the validation ends: on large videos use ``max_videos``.
+    per process (the fit is cached) to fit the PCA of ``fd_reference = 256`` real videos (2.1-2.6 s with 512). In the
+    quickstart (25 validation videos, both options on): 0.5-0.64 s at the first validation and 0.03-0.09 s at each
+    later one, against about 3.5 s for the validation itself (10-step sampling and the method's reward). The videos
+    are gathered to every rank and kept on the CPU until the validation ends: on large videos use ``max_videos``.
 
     Args:
         gold_rewards: reward-zoo specs of held-out verifiers (e.g. ``[{name: shapes}]``); None = none.
@@ -253,8 +253,8 @@ class RewardHackingMonitor(Callback):
                 raise ValueError(f"the validation videos are {tuple(videos.shape[1:])}, the world's are {want}")
             real = real_videos(world, prompts, self.real_seed)
             if self._fd is None:
-                reference = [prompts[i % len(prompts)] for i in range(self.fd_reference)]
-                self._fd = PixelFD(real_videos(world, reference, self.real_seed + 1), dims=self.fd_dims)
+                reference = tuple(prompts[i % len(prompts)] for i in range(self.fd_reference))
+                self._fd = _reference_fd(world, reference, self.real_seed + 1, self.fd_dims)
         except ValueError as e:
             self._real_off = str(e)
             if trainer.is_global_zero:
@@ -412,3 +412,18 @@ class RewardHackingMonitor(Callback):
         if not trainer.is_global_zero:
             return
         write_json(Path(trainer.default_root_dir) / self.filename, self.record())
+
+
+_FD_CACHE: dict[tuple, PixelFD] = {}
+
+
+def _reference_fd(world: ShapesWorldConfig, reference: tuple[str, ...], seed: int, dims: int) -> PixelFD:
+    """The fd's PCA fit on true videos of ``reference`` (seed ``seed``), cached in the process: the same world,
+    prompts, seed and dims give the same fit (deterministic rendering), so runs in one process (tests, sweeps) fit
+    it once. At most 8 fits are kept."""
+    key = (repr(world), reference, seed, dims)
+    if key not in _FD_CACHE:
+        if len(_FD_CACHE) >= 8:
+            _FD_CACHE.pop(next(iter(_FD_CACHE)))
+        _FD_CACHE[key] = PixelFD(real_videos(world, list(reference), seed), dims=dims)
+    return _FD_CACHE[key]
