@@ -100,6 +100,23 @@ def test_first_update_has_ratio_one_and_no_clipping(tmp_path, monkeypatch, tiny_
     assert float(m["train/approx_kl"]) == 0.0
 
 
+def test_statistics_are_logged_per_optimizer_step(tmp_path, monkeypatch, tiny_text_encoder):
+    """Two mini-batches of 4: the first optimizer step is on-policy (ratio exactly 1, nothing clipped), the second
+    runs after the first changed the weights (ratio not 1); each is logged apart (``/step0``, ``/step1``) and the
+    plain key is their mean (equal weights)."""
+    monkeypatch.chdir(tmp_path)
+    cli = _fit([f"--model.init_args.generator.text_encoder={tiny_text_encoder}", "--trainer.max_steps=2",
+                "--trainer.limit_val_batches=0", "--model.init_args.reuse_rollout_forward=false",
+                "--model.init_args.mini_batch_size=4", "--model.init_args.clip_range=0.5"])
+    m = {k: float(v) for k, v in cli.trainer.logged_metrics.items()}
+    assert cli.trainer.global_step == 2 and int(cli.model.iteration) == 1
+    assert m["train/ratio_mean/step0"] == 1.0 and m["train/approx_kl/step0"] == 0.0
+    assert m["train/ratio_mean/step1"] != 1.0 and m["train/approx_kl/step1"] > 0
+    assert m["train/ratio_mean"] == pytest.approx((m["train/ratio_mean/step0"] + m["train/ratio_mean/step1"]) / 2,
+                                                  rel=1e-6)  # logged as float32
+    assert "train/ratio_mean/step2" not in m
+
+
 @pytest.mark.parametrize("extra", [[], ["--model.init_args.kl_beta=0.5"],
                                    ["--model.init_args.kl_beta=0.5", "--model.init_args.kl_kind=gaussian"]])
 def test_reuse_rollout_forward_is_the_same_update(tmp_path, monkeypatch, tiny_text_encoder, extra):

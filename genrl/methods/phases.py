@@ -236,12 +236,16 @@ def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable
 
     Returns:
         ``{stat: sum of the units' weighted values / sum of their weights}`` over all steps and, on several
-        processes, over all ranks (so the logged statistics do not depend on the device count).
+        processes, over all ranks (so the logged statistics do not depend on the device count). When there is more
+        than one optimizer step, also ``{stat}/step{j}``: the same mean over step ``j`` alone (0 = the first), so
+        an off-policy step's statistics (e.g. a PPO ratio away from 1) are not hidden in an average with the
+        on-policy first step's (ratio exactly 1).
     """
-    sums: dict[str, float] = {}
-    weight = 0.0
+    per_step: list[tuple[dict[str, float], float]] = []
     for units in steps:
         optimizer.zero_grad()
+        sums: dict[str, float] = {}
+        weight = 0.0
         for unit in units:
             loss, stats, w = unit()
             if check_finite is not None:
@@ -251,19 +255,33 @@ def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable
                 sums[key] = sums.get(key, 0.0) + value
             weight += w
         clip_and_step(module, optimizer, max_grad_norm, counted)
-    return _global_means(module, sums, weight)
+        per_step.append((sums, weight))
+    total: dict[str, float] = {}
+    for sums, _ in per_step:
+        for key, value in sums.items():
+            total[key] = total.get(key, 0.0) + value
+    groups = [(total, sum(w for _, w in per_step))]
+    if len(per_step) > 1:
+        groups += [({f"{key}/step{j}": v for key, v in sums.items()}, w) for j, (sums, w) in enumerate(per_step)]
+    return _global_means(module, groups)
 
 
-def _global_means(module: LightningModule, sums: dict[str, float], weight: float) -> dict[str, float]:
-    """``{stat: sum / weight}`` over every rank (one all-reduce of the sums and weights; every rank runs the same
-    units, so the keys agree): the logged training statistics are the global batch's, whatever the device count."""
-    keys = sorted(sums)
+def _global_means(module: LightningModule, groups: list[tuple[dict[str, float], float]]) -> dict[str, float]:
+    """``{stat: sum / weight}`` of every ``(sums, weight)`` group, over every rank (one all-reduce of all the sums and
+    weights; every rank runs the same units, so the keys agree): the logged training statistics are the global
+    batch's, whatever the device count."""
+    layout = [(sorted(sums), sums, weight) for sums, weight in groups]
     _, world = world_of(module)
     if world > 1:
-        packed = torch.tensor([weight, *(sums[k] for k in keys)], dtype=torch.float64, device=module.device)
-        packed = module.trainer.strategy.reduce(packed, reduce_op="sum").cpu()
-        weight, sums = float(packed[0]), {k: float(v) for k, v in zip(keys, packed[1:], strict=True)}
-    return {key: sums[key] / max(weight, 1) for key in keys}
+        flat = [v for keys, sums, weight in layout for v in (weight, *(sums[k] for k in keys))]
+        packed = module.trainer.strategy.reduce(torch.tensor(flat, dtype=torch.float64, device=module.device),
+                                                reduce_op="sum").cpu().tolist()
+        reduced, at = [], 0
+        for keys, _, _ in layout:
+            reduced.append((keys, dict(zip(keys, packed[at + 1 : at + 1 + len(keys)], strict=True)), packed[at]))
+            at += 1 + len(keys)
+        layout = reduced
+    return {key: sums[key] / max(weight, 1) for keys, sums, weight in layout for key in keys}
 
 
 def video_batch(method: LightningModule, batch: dict) -> tuple[torch.Tensor, list[str], torch.Tensor]:
