@@ -4,6 +4,7 @@ weights are swapped for the tiny random components (so configs cannot rot)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,29 +20,28 @@ FAMILY_CONFIGS = {
     "flux": "configs/grpo/flux.1_dev.yaml",
     "sana": "configs/grpo/sana.yaml",
 }
-COMPOSED = {"configs/grpo/vbench_colorfulness.yaml": "configs/quickstart.yaml",
-            "configs/tiny/grpo.yaml": "configs/quickstart.yaml",
-            "configs/tiny/pretrain.yaml": "configs/pretrain/shapes.yaml",
-            "configs/tiny/dmd.yaml": "configs/dmd/shapes.yaml",
-            "configs/tiny/tempact.yaml": "configs/tempact/shapes_executor.yaml",
-            "configs/tempact/shapes_three_step.yaml": "configs/tempact/shapes_two_step.yaml",
-            "configs/tempact/shapes_lm_planner.yaml": "configs/tempact/shapes_two_step.yaml",
-            "configs/tiny/afd.yaml": "configs/afd/shapes.yaml",
-            "configs/tiny/ram.yaml": "configs/ram/shapes.yaml",
-            "configs/tiny/rwr.yaml": "configs/rwr/shapes.yaml",
-            "configs/ram/nft_shapes.yaml": "configs/ram/shapes.yaml",
-            "configs/stream_r1/shapes.yaml": "configs/dmd/shapes.yaml",
-            "configs/stream_r1/wan2.1_t2v_1.3b.yaml": "configs/dmd/wan2.1_t2v_1.3b.yaml",
-            "configs/sol_rl/fake_nvfp4.yaml": "configs/sol_rl/shapes.yaml",
-            "configs/tiny/sol_rl.yaml": "configs/sol_rl/shapes.yaml",
-            "configs/ram/awm_shapes.yaml": "configs/ram/shapes.yaml",
-            "configs/dfot/shapes_wrap.yaml": "configs/dfot/shapes.yaml",
-            "configs/afd/strong_teacher.yaml": "configs/pretrain/shapes.yaml",
-            "configs/afd/shapes_strong.yaml": "configs/afd/shapes.yaml",
-            "configs/afd/wan2.1_t2v_1.3b_online.yaml": "configs/afd/wan2.1_t2v_1.3b.yaml",
-            # trainer profiles (configs/trainer/) are composed after a recipe
-            **{f"configs/trainer/{p.name}": "configs/quickstart.yaml"
-               for p in (ROOT / "configs/trainer").glob("*.yaml")}}
+CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")
+                 if p.parent.name != "arena")  # arena configs: tests/test_arena.py
+
+
+def _composed_on(path: str) -> str | None:
+    """The config ``path`` is composed after, as its own header says: a usage line ``--config BASE --config PATH`` or
+    the words ``composed after BASE``; trainer profiles (configs/trainer/) after the quickstart. None: standalone."""
+    if path.startswith("configs/trainer/"):
+        return "configs/quickstart.yaml"
+    text = (ROOT / path).read_text()
+    usage = [m.group(1) for m in re.finditer(r"--config\s+(\S+)\s+--config\s+(\S+)", text) if m.group(2) == path]
+    words = re.search(r"composed after (configs/\S+?\.yaml)", text)
+    return usage[0] if usage else words.group(1) if words else None
+
+
+def test_composed_configs_name_a_base_that_exists():
+    """Every composition the headers declare points at a shipped config (so a renamed base fails here)."""
+    bases = {p: _composed_on(p) for p in CONFIGS}
+    assert sum(b is not None for b in bases.values()) >= 20
+    assert all((ROOT / b).is_file() for b in bases.values() if b), bases
+    assert bases["configs/stream_r1/shapes.yaml"] == "configs/dmd/shapes.yaml"
+    assert bases["configs/tiny/dmd.yaml"] == "configs/dmd/shapes.yaml" and bases["configs/quickstart.yaml"] is None
 
 
 def _cli(args: list[str], run: bool) -> GenRLCLI:
@@ -51,11 +51,11 @@ def _cli(args: list[str], run: bool) -> GenRLCLI:
     return GenRLCLI(args=(["fit"] if run else []) + args, run=run)
 
 
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")
-                                         if p.parent.name != "arena"))  # arena configs: tests/test_arena.py
+@pytest.mark.parametrize("path", CONFIGS)
 def test_every_config_parses(path, tmp_path, monkeypatch):
+    """Every shipped config builds its model and data, on the config it says it is composed after (if any)."""
     monkeypatch.chdir(tmp_path)
-    configs = [str(ROOT / COMPOSED[path])] if path in COMPOSED else []
+    configs = [str(ROOT / base)] if (base := _composed_on(path)) else []
     args = [a for c in [*configs, str(ROOT / path)] for a in ("--config", c)]
     # GPU trainer profiles build their Trainer here on 2 CPU processes (nothing starts before fit)
     cpu = ["--trainer.accelerator=cpu"] + (["--trainer.devices=2"] if path.startswith("configs/trainer/") else [])
