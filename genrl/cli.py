@@ -28,6 +28,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
 
 import genrl.data  # noqa: F401  (registers genrl's datamodules for short class names)
 import genrl.methods  # noqa: F401  (registers genrl's methods for short class names)
@@ -242,7 +243,8 @@ class GenRLCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Refuse an accelerator this machine does not have (e.g. ``gpu`` without CUDA) before the model is built,
         naming the fix ``--trainer.accelerator=cpu``, and a ``--compute_budget`` that is not a finite number > 0
-        (naming the value); apply ``--run_dir`` (:func:`relocate_run`)."""
+        (naming the value); apply ``--run_dir`` (:func:`relocate_run`), or warn when a moved
+        ``trainer.default_root_dir`` leaves logger / checkpoint folders behind (:func:`stray_run_paths`)."""
         problem = _accelerator_problem(self._get(self.config, "trainer", default={}).get("accelerator"))
         if problem:
             self._parser(self.subcommand).error(problem)
@@ -252,9 +254,32 @@ class GenRLCLI(LightningCLI):
                 f"--compute_budget must be a finite number of forward-equivalents > 0, got {budget}; e.g. "
                 f"--compute_budget 5000 (a run's compute.json reports what its iterations cost)")
         run_dir = self._get(self.config, "run_dir")
+        config = self.config[self.subcommand] if self.subcommand else self.config
         if run_dir:
-            config = self.config[self.subcommand] if self.subcommand else self.config
             relocate_run(config.trainer, str(run_dir))
+        elif stray := stray_run_paths(config.trainer):
+            rank_zero_warn(
+                f"trainer.default_root_dir is {config.trainer.default_root_dir}, but {'; '.join(stray)} lie outside "
+                f"it: this run's files would mix with another run's. To move the whole run use --run_dir "
+                f"{config.trainer.default_root_dir} instead of --trainer.default_root_dir (or set those paths too)")
+
+
+def _run_paths(trainer):
+    """``(key, init_args, field, value)`` of every logger ``save_dir`` and callback ``dirpath`` in the parsed trainer
+    config (a namespace; logger / callbacks as class_path + init_args entries)."""
+    for group, field in (("logger", "save_dir"), ("callbacks", "dirpath")):
+        entries = getattr(trainer, group, None)
+        entries = entries if isinstance(entries, list) else [entries]
+        for i, entry in enumerate(entries):
+            args = getattr(entry, "init_args", None)
+            value = getattr(args, field, None) if args is not None else None
+            if isinstance(value, str) and value:
+                yield f"trainer.{group}[{i}].{field}", args, field, value
+
+
+def _under(path: str, root: Path) -> bool:
+    p = Path(path)
+    return p == root or root in p.parents
 
 
 def relocate_run(trainer, run_dir: str) -> list[str]:
@@ -270,27 +295,24 @@ def relocate_run(trainer, run_dir: str) -> list[str]:
     if not old:
         raise ValueError("--run_dir needs a trainer.default_root_dir in the config (the folder whose paths it moves)")
     old_path, new_path = Path(str(old)), Path(run_dir)
-
-    def moved(value):
-        if not isinstance(value, str) or not value:
-            return None
-        p = Path(value)
-        if p == old_path or old_path in p.parents:
-            return str(new_path / p.relative_to(old_path))
-        return None
-
     changed = ["trainer.default_root_dir"]
     trainer.default_root_dir = str(new_path)
-    for group, key in (("logger", "save_dir"), ("callbacks", "dirpath")):
-        entries = getattr(trainer, group, None)
-        entries = entries if isinstance(entries, list) else [entries]
-        for i, entry in enumerate(entries):
-            args = getattr(entry, "init_args", None)
-            new = moved(getattr(args, key, None)) if args is not None else None
-            if new is not None:
-                setattr(args, key, new)
-                changed.append(f"trainer.{group}[{i}].{key}")
+    for key, args, field, value in list(_run_paths(trainer)):
+        if _under(value, old_path):
+            setattr(args, field, str(new_path / Path(value).relative_to(old_path)))
+            changed.append(key)
     return changed
+
+
+def stray_run_paths(trainer) -> list[str]:
+    """``"key = value"`` of every logger ``save_dir`` / callback ``dirpath`` of the parsed trainer config that is not
+    under its ``trainer.default_root_dir`` ([] when the config has none). Every shipped config keeps them under it,
+    so a stray path means the root was moved in part (``--trainer.default_root_dir`` without ``--run_dir``): that
+    run's checkpoints or logs would land in, and mix with, another run's folder."""
+    root = getattr(trainer, "default_root_dir", None)
+    if not root:
+        return []
+    return [f"{key} = {value}" for key, _, _, value in _run_paths(trainer) if not _under(value, Path(str(root)))]
 
 
 def _resume_problem(trainer: Trainer, ckpt_path: str | None) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from genrl.cli import GenRLCLI
+from genrl.cli import GenRLCLI, stray_run_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILY_CONFIGS = {
@@ -61,6 +61,7 @@ def test_every_config_parses(path, tmp_path, monkeypatch):
     cpu = ["--trainer.accelerator=cpu"] + (["--trainer.devices=2"] if path.startswith("configs/trainer/") else [])
     cli = _cli(args + cpu, run=False)
     assert cli.model is not None and cli.datamodule is not None
+    assert stray_run_paths(cli.config.trainer) == []  # logs, checkpoints and exports under the run's root
 
 
 BRANCH_CONFIGS = {

@@ -127,6 +127,34 @@ def test_run_dir_moves_every_path_under_the_runs_root_and_nothing_else(tiny_poli
         relocate_run(SimpleNamespace(default_root_dir=None), "x")
 
 
+def test_moving_only_the_root_warns_and_names_the_paths_left_behind(tiny_policy, tiny_text_encoder, tmp_path,
+                                                                   monkeypatch):
+    """--trainer.default_root_dir alone leaves the logger and checkpoint / export folders in the recipe's run: a
+    warning names each and the --run_dir fix; --run_dir (or no override) warns nothing."""
+    import warnings
+
+    from genrl.cli import stray_run_paths
+
+    monkeypatch.chdir(tmp_path)
+    for extra, stray in ((["--trainer.default_root_dir=runs/other"], True), (["--run_dir=runs/other"], False),
+                         ([], False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            GenRLCLI(args=[*_args(tiny_policy, tiny_text_encoder)[1:], *extra], run=False)
+        msgs = [str(w.message) for w in caught if "lie outside it" in str(w.message)]
+        assert len(msgs) == int(stray), (extra, msgs)
+        if stray:
+            assert "trainer.logger[0].save_dir = runs/quickstart" in msgs[0]
+            assert "export" in msgs[0] and "--run_dir runs/other" in msgs[0]
+    from types import SimpleNamespace
+
+    entry = lambda key, value: SimpleNamespace(init_args=SimpleNamespace(**{key: value}))  # noqa: E731
+    trainer = SimpleNamespace(default_root_dir="runs/a", logger=[entry("save_dir", "runs/a/logs")],
+                              callbacks=[entry("dirpath", "runs/ab/ck"), entry("dirpath", None)])
+    assert stray_run_paths(trainer) == ["trainer.callbacks[0].dirpath = runs/ab/ck"]
+    assert stray_run_paths(SimpleNamespace(default_root_dir=None, callbacks=[entry("dirpath", "x")])) == []
+
+
 def _first_lines(capsys, monkeypatch, args) -> list[str]:
     monkeypatch.setattr("sys.argv", ["genrl", *args])  # as typed in a shell
     with pytest.raises(SystemExit) as stop:
