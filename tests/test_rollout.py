@@ -373,3 +373,20 @@ def test_rollout_config_sigma_at_one_and_defaults():
         10, 1.0, "flow_grpo", 0.7, 1.0, "all", 2)
     assert (d.window_start, d.window_end, d.skip_last_step, d.micro_batch_size, d.null_prompt, d.schedule) == (
         0, None, True, 8, "", None)
+
+
+def test_step_moments_are_the_sampled_transition(gen):
+    """record_moments keeps each step's mean and std: the recorded sample is mean + std x the recorded noise, and the
+    current policy's recomputed mean equals it; asking without them, or for an ODE step, names the fix."""
+    config = RolloutConfig(num_steps=4, kernel="flow_grpo", sde_steps="prefix", num_sde_steps=2)
+    traj = rollout(gen, PROMPTS[:3], SHAPE, seed=2, config=config, record_moments=True)
+    for k in traj.sde_steps:
+        mean, std = traj.step_moments(k)
+        assert std > 0 and mean.shape == traj.latents[:, k].shape
+        assert torch.allclose(traj.latents[:, k + 1], mean + std * traj.noises[:, k], rtol=0, atol=1e-6)
+        _, _, now = transition_log_prob(gen, traj, k)
+        assert torch.allclose(now.detach().cpu(), mean, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"step 3 is not a stochastic step .*\[0, 1\]"):
+        traj.step_moments(3)
+    with pytest.raises(ValueError, match="record_moments=True"):
+        rollout(gen, PROMPTS[:3], SHAPE, seed=2, config=config).step_moments(0)

@@ -8,7 +8,9 @@ gathering of rewards is the caller's job: gather (rewards, group_ids, valid) fir
 
 from __future__ import annotations
 
-from typing import Literal
+import inspect
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -16,6 +18,15 @@ from genrl.flow.broadcast import SigmaLike, _expand, compute_dtype
 
 __all__ = [
     "clipped_policy_loss",
+    "StepMoments",
+    "step_divergence",
+    "guard_log_ratio",
+    "guard_policy_loss",
+    "dppo_policy_loss",
+    "POLICY_LOSSES",
+    "PolicyLossName",
+    "policy_loss",
+    "check_policy_loss",
     "KLKind",
     "gaussian_kl",
     "velocity_kl",
@@ -127,6 +138,210 @@ def clipped_policy_loss(
             "adv_abs_mean": adv.expand(loss.shape).abs().mean(),
         }
     return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# per-step policy losses that need the transition's moments (GRPO-Guard, Flow-DPPO) and their registry
+
+
+class StepMoments(NamedTuple):
+    """The Gaussian transition of one SDE step under the current and the rollout policy.
+
+    Fields:
+        mean: [B, *latent] the current policy's transition mean mu_theta (with grad).
+        old_mean: [B, *latent] the rollout's mean mu_old (``Trajectory.step_moments``; treated as a constant).
+        std: the transition std s > 0 shared by both (a float, or a tensor broadcastable to [B]).
+        step: the step length |delta sigma| = sigma_k - sigma_{k+1} > 0 (GRPO-Guard's optional 1 / |delta| scale).
+    """
+
+    mean: torch.Tensor
+    old_mean: torch.Tensor
+    std: torch.Tensor | float
+    step: float
+
+
+def _per_sample_mean(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(1).mean(dim=1) if t.ndim > 1 else t
+
+
+def step_divergence(moments: StepMoments) -> torch.Tensor:
+    """D = mean_j (mu_theta - mu_old)_j^2 / (2 s^2) per sample, float [B] (float64 if any input is float64): the
+    closed-form KL(N(mu_theta, s^2 I) || N(mu_old, s^2 I)) divided by the number of latent elements, i.e. the KL of
+    the mean-over-elements log-probs genrl uses. Gradient flows through ``mean`` only. 0 at theta = theta_old.
+
+    Source: Flow-DPPO's trust region (verl-omni ``FlowDPPOLoss``); GRPO-Guard's bias term D_t (arXiv 2510.22319).
+    """
+    dt = compute_dtype(moments.mean, moments.old_mean)
+    d = moments.mean.to(dt) - moments.old_mean.detach().to(dt)
+    std = torch.as_tensor(moments.std, dtype=dt, device=d.device)
+    return _per_sample_mean(d.pow(2)) / (2 * std.pow(2))
+
+
+def guard_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, moments: StepMoments) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio, per sample [B]:
+
+        log r_G = s (log r + D),   log r = log_prob - old_log_prob,   D = :func:`step_divergence`.
+
+    With genrl's mean-over-elements Gaussian log-probs and xi = (x - mu_old) / s the rollout's standardised noise,
+    log r = mean_j(xi_j d_j) / s - D with d = mu_theta - mu_old, so log r_G = mean_j(xi_j d_j) exactly: its mean over
+    the rollout noise is 0 (log r's is -D) and its scale does not grow like 1 / s as the noise shrinks. At
+    theta = theta_old it is 0 and its gradient is s x grad(log r).
+
+    Args:
+        log_prob: [B] current log-prob (with grad); old_log_prob: [B] the rollout's.
+        moments: the step's :class:`StepMoments` (mean with grad).
+    Source: Wang et al. 2025, "GRPO-Guard" (arXiv 2510.22319), ratio normalisation (per sample, as the paper reads;
+    verl-omni / flow_grpo ``rationorm`` average s over the batch first: the same when s is one per step, as here).
+    """
+    dt = compute_dtype(log_prob, old_log_prob, moments.mean)
+    std = torch.as_tensor(moments.std, dtype=dt, device=log_prob.device)
+    return std * (log_prob.to(dt) - old_log_prob.detach().to(dt) + step_divergence(moments).to(dt))
+
+
+def guard_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    moments: StepMoments,
+    clip_range: float = 1e-4,
+    clip_range_high: float | None = None,
+    adv_clip_max: float = 5.0,
+    scale: Literal["none", "step"] = "none",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO-Guard's per-sample loss: :func:`clipped_policy_loss` on the normalised ratio r_G = exp(log r_G)
+    (:func:`guard_log_ratio`) instead of r, times c = 1 (``scale: none``, Flow-Factory) or 1 / |delta sigma|
+    (``scale: step``, verl-omni: then the step length cancels from the gradient as well as the noise scale).
+
+    Returns:
+        (loss [B], stats): the clipped loss's stats on r_G (``ratio_mean`` ... ``clipfrac``) plus ``log_ratio_raw``
+        (mean log r, in float64 when inputs are: Flow-Factory#157's ratio that "stays 1" is a display precision
+        matter) and ``divergence`` (mean D).
+    Raises:
+        ValueError: as :func:`clipped_policy_loss`; an unknown ``scale``; ``moments.step`` <= 0 with ``scale: step``.
+    Source: arXiv 2510.22319 (GRPO-Guard); Flow-Factory ``GRPOGuardTrainer``, verl-omni ``GRPOGuardLoss``.
+    """
+    if scale not in ("none", "step"):
+        raise ValueError(f"GRPO-Guard scale must be 'none' or 'step', got {scale!r}")
+    if scale == "step" and not moments.step > 0:
+        raise ValueError(f"GRPO-Guard scale 'step' needs a step length > 0, got {moments.step}")
+    log_ratio = guard_log_ratio(log_prob, old_log_prob, moments)
+    loss, stats = clipped_policy_loss(log_ratio, torch.zeros_like(log_ratio), advantages, clip_range=clip_range,
+                                      clip_range_high=clip_range_high, adv_clip_max=adv_clip_max)
+    if scale == "step":
+        loss = loss / moments.step
+    with torch.no_grad():
+        stats["log_ratio_raw"] = (log_prob.detach() - old_log_prob.detach()).mean()
+        stats["divergence"] = step_divergence(moments).mean()
+    return loss, stats
+
+
+def dppo_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    moments: StepMoments,
+    adv_clip_max: float = 5.0,
+    max_divergence: float = 1e-5,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Flow-DPPO's per-sample loss: the unclipped surrogate -A_hat r, set to 0 (no gradient) where the step has left
+    the trust region, D >= ``max_divergence`` (:func:`step_divergence`, the exact Gaussian KL per element), *and*
+    moves further away (A_hat > 0 and r > 1, or A_hat < 0 and r < 1); corrective moves are always kept.
+
+    Args:
+        max_divergence: epsilon_D >= 0 (verl-omni's default 1e-5); ``math.inf`` gives the plain -A_hat r.
+    Returns:
+        (loss [B], stats): ``ratio_mean``, ``ratio_std``, ``approx_kl``, ``adv_abs_mean`` as the clipped loss's,
+        ``masked_frac`` (samples set to 0) and ``divergence`` (mean D).
+    Raises:
+        ValueError: ``max_divergence`` < 0 or NaN; ``adv_clip_max`` <= 0.
+    Source: verl-omni ``FlowDPPOLoss`` / docs/algo/flowdppo.md (Flow-DPPO, arXiv 2606.11025).
+    """
+    if not max_divergence >= 0:
+        raise ValueError(f"Flow-DPPO max_divergence must be >= 0 (math.inf: no mask), got {max_divergence}")
+    if not adv_clip_max > 0:
+        raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
+    dt = compute_dtype(log_prob, old_log_prob, advantages)
+    diff = log_prob.to(dt) - old_log_prob.detach().to(dt)
+    ratio = torch.exp(diff)
+    adv = advantages.detach().to(dt).clamp(-adv_clip_max, adv_clip_max)
+    with torch.no_grad():
+        div = step_divergence(moments).to(dt)
+        away = ((adv > 0) & (ratio > 1)) | ((adv < 0) & (ratio < 1))
+        masked = (div >= max_divergence) & away
+    loss = torch.where(masked, torch.zeros_like(ratio), -adv * ratio)
+    with torch.no_grad():
+        r = ratio.detach()
+        stats = {
+            "ratio_mean": r.mean(),
+            "ratio_std": r.std(correction=0) if r.numel() > 1 else torch.zeros((), dtype=dt, device=r.device),
+            "approx_kl": 0.5 * (diff.detach() ** 2).mean(),
+            "adv_abs_mean": adv.abs().mean(),
+            "masked_frac": masked.to(dt).mean(),
+            "divergence": div.mean(),
+        }
+    return loss, stats
+
+
+PolicyLossName = Literal["clipped", "guard", "dppo"]
+
+#: name -> (per-sample loss, needs the step's moments). Every entry takes (log_prob, old_log_prob, advantages) and,
+#: when it needs them, ``moments``; its other keywords come from the method's clip settings and ``policy_loss_args``.
+POLICY_LOSSES: dict[str, tuple[Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]], bool]] = {
+    "clipped": (clipped_policy_loss, False),
+    "guard": (guard_policy_loss, True),
+    "dppo": (dppo_policy_loss, True),
+}
+
+
+def check_policy_loss(name: str, options: dict | None = None) -> bool:
+    """Validate a policy-loss choice before any training: ``name`` is in :data:`POLICY_LOSSES` and ``options`` are
+    keywords that loss takes. Returns whether it needs the step moments (the rollout must record them).
+
+    Raises:
+        ValueError: an unknown name (the message lists the registry) or option (it lists the loss's own options).
+    """
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
+    fn, needs = POLICY_LOSSES[name]
+    own = set(inspect.signature(fn).parameters) - {"log_prob", "old_log_prob", "advantages", "moments",
+                                                   "clip_range", "clip_range_high", "adv_clip_max"}
+    if unknown := sorted(set(options or {}) - own):
+        raise ValueError(f"policy loss {name!r} does not take the options {unknown}; its own options: {sorted(own)}")
+    return needs
+
+
+def policy_loss(
+    name: str,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    moments: StepMoments | None = None,
+    clip_range: float = 1e-4,
+    clip_range_high: float | None = None,
+    adv_clip_max: float = 5.0,
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-step policy loss ``name`` of :data:`POLICY_LOSSES` (per sample [B], plus detached stats): the one
+    place a GRPO-style update picks its objective, so a variant (GRPO-Guard, Flow-DPPO, a new one registered here)
+    is a config value, not a copy of the update. ``clip_range`` / ``clip_range_high`` go to the losses that clip
+    (``clipped``, ``guard``); ``options`` are the loss's own keywords (``scale`` for guard, ``max_divergence`` for
+    dppo).
+
+    Raises:
+        ValueError: as :func:`check_policy_loss`; a loss that needs ``moments`` called without them (record them in
+            the rollout: ``rollout(record_moments=True)``).
+    """
+    needs = check_policy_loss(name, options)
+    fn = POLICY_LOSSES[name][0]
+    kwargs = dict(options, adv_clip_max=adv_clip_max)
+    if needs:
+        if moments is None:
+            raise ValueError(f"the {name!r} policy loss needs the step's transition moments (mean and std); record "
+                             f"them in the rollout (rollout(record_moments=True))")
+        kwargs["moments"] = moments
+    if "clip_range" in inspect.signature(fn).parameters:
+        kwargs.update(clip_range=clip_range, clip_range_high=clip_range_high)
+    return fn(log_prob, old_log_prob, advantages, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------

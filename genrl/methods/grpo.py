@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow.policy import clipped_policy_loss, gaussian_kl, velocity_kl
+from genrl.flow.policy import PolicyLossName, StepMoments, check_policy_loss, gaussian_kl, policy_loss, velocity_kl
 from genrl.flow.sde import step_mean_std
 from genrl.methods.common import (
     Scorer,
@@ -67,6 +67,12 @@ class GRPO(LightningModule):
         advantage_eps: epsilon added to the std (Flow-GRPO 1e-4).
         adv_clip_max: advantages are clipped to [-A_max, A_max] (5 in all reference code).
         clip_range / clip_range_high: PPO ratio clip epsilon (low / high; high defaults to low).
+        policy_loss: the per-step objective (:data:`genrl.flow.policy.POLICY_LOSSES`): ``"clipped"`` (PPO / GRPO's
+            clipped surrogate), ``"guard"`` (GRPO-Guard: the clip on the normalised ratio r_G) or ``"dppo"``
+            (Flow-DPPO: unclipped, masked outside a KL trust region). ``guard`` and ``dppo`` need each SDE step's
+            rollout mean and std, which the rollout then records (one latent per step more).
+        policy_loss_args: the loss's own options, e.g. ``{scale: step}`` (guard: x 1 / |delta sigma|, verl-omni) or
+            ``{max_divergence: 1e-5}`` (dppo's epsilon_D).
         kl_beta: weight of the KL to the reference policy (0 disables it and the reference).
         kl_kind: ``"velocity_mse"`` (mean (v - v_ref)^2) or ``"gaussian"`` (closed-form per-step KL).
         lora: train a LoRA adapter instead of all weights; the reference is then the adapter-disabled model.
@@ -102,6 +108,8 @@ class GRPO(LightningModule):
         adv_clip_max: float = 5.0,
         clip_range: float = 1e-4,
         clip_range_high: float | None = None,
+        policy_loss: PolicyLossName = "clipped",
+        policy_loss_args: dict[str, Any] | None = None,
         kl_beta: float = 0.0,
         kl_kind: Literal["velocity_mse", "gaussian"] = "velocity_mse",
         lora: LoraSpec | None = None,
@@ -129,6 +137,7 @@ class GRPO(LightningModule):
                 f"{inner_epochs}), mini_batch_size: null (got {mini_batch_size}) and no preview (got "
                 f"{'a preview' if preview is not None else 'none'}); set reuse_rollout_forward: false for these"
             )
+        self.needs_moments = check_policy_loss(policy_loss, policy_loss_args)
         self.save_hyperparameters(ignore=["optimizer"])
         self.generator_spec = policy_spec(self, generator)
         self.automatic_optimization = False
@@ -156,19 +165,23 @@ class GRPO(LightningModule):
             return guided_velocity(gen, x, sigma, cond, uncond, cfg, rc.micro_batch_size, rc.batching)
 
     def step_loss(self, sub, k: int, cond, uncond, adv: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Clipped surrogate (PPO eq. 7) on step ``k`` of the trajectories ``sub`` with advantages ``adv`` [b], plus
-        ``kl_beta`` x the KL to the reference (velocity MSE, or the closed-form Gaussian KL of the step). The
-        step's log-prob is recomputed under the current weights, or taken from ``sub.live`` when the rollout kept
-        it (``reuse_rollout_forward``)."""
+        """The ``policy_loss`` (default: the clipped surrogate, PPO eq. 7) on step ``k`` of the trajectories ``sub``
+        with advantages ``adv`` [b], plus ``kl_beta`` x the KL to the reference (velocity MSE, or the closed-form
+        Gaussian KL of the step). The step's log-prob is recomputed under the current weights, or taken from
+        ``sub.live`` when the rollout kept it (``reuse_rollout_forward``)."""
         h, cfg = self.hparams, self.rollout_config
         if k in sub.live:
             log_prob, v, mean = sub.live.pop(k)  # popped: its graph is freed by this step's backward
         else:
             log_prob, v, mean = transition_log_prob(self.generator, sub, k, cond, uncond)
-        loss_vec, stats = clipped_policy_loss(log_prob, sub.log_probs[:, k].to(log_prob.device),
-                                              adv.to(log_prob.device),
-                                              clip_range=h.clip_range, clip_range_high=h.clip_range_high,
-                                              adv_clip_max=h.adv_clip_max)
+        moments = None
+        if self.needs_moments:
+            old_mean, std = sub.step_moments(k)
+            moments = StepMoments(mean, old_mean.to(mean.device), std, float(sub.sigmas[k] - sub.sigmas[k + 1]))
+        loss_vec, stats = policy_loss(h.get("policy_loss", "clipped"), log_prob,
+                                      sub.log_probs[:, k].to(log_prob.device), adv.to(log_prob.device), moments,
+                                      clip_range=h.clip_range, clip_range_high=h.clip_range_high,
+                                      adv_clip_max=h.adv_clip_max, **(h.get("policy_loss_args") or {}))
         loss = loss_vec.mean()
         if h.kl_beta > 0:
             x, sig = sub.latents[:, k].to(v.device), sub.sigmas.to(v.device, torch.float32)
@@ -194,7 +207,8 @@ class GRPO(LightningModule):
         reuse = h.get("reuse_rollout_forward", False)
         if reuse:
             check_no_dropout(gen)
-        ro = collect_flat(gen, prompts, self.latent_shape, h.seed, index, cfg, it, keep_graph=reuse)
+        ro = collect_flat(gen, prompts, self.latent_shape, h.seed, index, cfg, it, keep_graph=reuse,
+                          record_moments=self.needs_moments)
         scores = score(self, self.scorer, ro, group, iteration=it)
         log_proxy_fidelity(self, selection, scores.result.total, scores.result.valid)
         adv = group_advantages_of(self, scores, std=h.advantage_std, eps=h.advantage_eps,

@@ -188,6 +188,21 @@ class Trajectory:
     def sde_steps(self) -> list[int]:
         return [int(k) for k in torch.nonzero(self.sde_mask).flatten()]
 
+    def step_moments(self, step: int) -> tuple[torch.Tensor, float]:
+        """The rollout's transition at stochastic step ``step``: (mean mu_old [B, *latent] on the CPU, std s > 0), as
+        sampled (what GRPO-Guard and Flow-DPPO compare the current policy's mean with).
+
+        Raises:
+            ValueError: the rollout did not record moments (``rollout(record_moments=True)``), or ``step`` is not
+                one of its stochastic steps (the message lists them).
+        """
+        if self.means is None or self.stds is None:
+            raise ValueError("this trajectory has no step moments; roll out with record_moments=True")
+        if not 0 <= step < len(self.sde_mask) or not bool(self.sde_mask[step]):
+            raise ValueError(f"step {step} is not a stochastic step of this trajectory; stochastic steps: "
+                             f"{self.sde_steps}")
+        return self.means[:, step], float(self.stds[step])
+
     def select(self, rows: Sequence[int] | torch.Tensor) -> Trajectory:
         """The sub-trajectory of samples ``rows`` (for mini-batching the loss)."""
         rows = torch.as_tensor(rows, dtype=torch.long)
