@@ -31,12 +31,11 @@ from genrl.data.teacher_videos import codec_fingerprint
 from genrl.flow import add_noise
 from genrl.flow.nft import nft_loss, ref_regularizer
 from genrl.methods.common import (
-    Scorer,
     advance_iteration,
     check_finite,
     frame_shape_of,
+    init_method,
     log_validation_rewards,
-    policy_spec,
     role_optimizers,
 )
 from genrl.methods.distill import (
@@ -53,7 +52,7 @@ from genrl.methods.phases import optimizer_steps
 from genrl.models.discriminator import TrunkDiscriminator, VideoDiscriminator
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles, ramped_decay
+from genrl.models.roles import ramped_decay
 from genrl.models.spec import ModelSpec
 from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.autoregressive import ChunkSchedule, teacher_forced_velocity
@@ -180,22 +179,16 @@ class AFD(LightningModule):
         if not 0 <= old_decay_max < 1 or old_decay_ramp < 0:
             raise ValueError(f"need 0 <= old_decay_max < 1 and old_decay_ramp >= 0, got {old_decay_max}, "
                              f"{old_decay_ramp}")
-        self.save_hyperparameters(ignore=["student_optimizer", "discriminator_optimizer"])
-        self.automatic_optimization = False
-        self.generator_spec = policy_spec(self, generator)
+        init_method(self, generator, rewards, reward_combine, ignore=("student_optimizer", "discriminator_optimizer"))
         self.schedule = schedule or ChunkSchedule(timesteps=[1000.0, 750.0, 500.0, 250.0], shift=1.0)
         self.schedule.causal.num_chunks(num_frames)
         self.frame_shape = tuple(frame_shape) if frame_shape else None
         self.discriminator_spec = discriminator
         self.student_factory, self.disc_factory = student_optimizer, discriminator_optimizer
-        self.generator = None
         self.discriminator = None
         self.old_policy = None
         self.teacher_spec, self.teacher = teacher, None
         self.saturation = SaturationMonitor("AFD", saturation_threshold, saturation_window)
-        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self.scorer = Scorer(rewards, reward_combine)
-        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:

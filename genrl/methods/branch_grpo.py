@@ -24,17 +24,15 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow.policy import clipped_policy_loss
 from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
 from genrl.methods.common import (
-    Scorer,
     advance_iteration,
     configure_policy,
     configure_policy_optimizer,
+    init_method,
     ode_validation_config,
-    policy_spec,
 )
 from genrl.methods.phases import collect_tree, flat_validation_step, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles
 from genrl.noise import mix_seed
 from genrl.rollout.sampler import RolloutConfig, encode_cfg
 from genrl.rollout.tree import TreeConfig, edge_log_prob
@@ -95,9 +93,7 @@ class BranchGRPO(LightningModule):
             raise ValueError(f"edges_per_step must be >= 1 or null, got {edges_per_step}")
         if reward_on not in ("x0", "final"):
             raise ValueError(f"reward_on must be 'x0' or 'final', got {reward_on!r}")
-        self.save_hyperparameters(ignore=["optimizer"])
-        self.automatic_optimization = False
-        self.generator_spec = policy_spec(self, generator)
+        init_method(self, generator, rewards, reward_combine)
         self.rollout_config = rollout or RolloutConfig(num_steps=20, kernel="dance_grpo", noise_level=0.3,
                                                        skip_last_step=False)
         self.tree_config = tree or TreeConfig()
@@ -105,10 +101,6 @@ class BranchGRPO(LightningModule):
         self.eval_config = eval_rollout or ode_validation_config(self.rollout_config, num_steps=20)
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
-        self.generator = None
-        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self.scorer = Scorer(rewards, reward_combine)
-        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction (as GRPO)
     configure_model = configure_policy

@@ -4,6 +4,7 @@ the rank view of a batch (gather, this rank's slice), optimizers over trainable 
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import asdict
 from typing import Any
@@ -16,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from genrl.data import data_parallel_of
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.lora import LoraSpec
+from genrl.models.roles import Roles
 from genrl.rewards import RewardManager
 from genrl.rollout.sampler import RolloutConfig
 
@@ -70,6 +72,31 @@ def policy_spec(method: LightningModule, spec: GeneratorSpec | dict | None,
     (:func:`genrl.models.loading.load_generator` rebuilds it) and load with ``torch.load(weights_only=True)``."""
     spec = default if spec is None else spec if isinstance(spec, GeneratorSpec) else GeneratorSpec(**spec)
     method.hparams["generator"] = asdict(spec)
+    return spec
+
+
+def init_method(method: LightningModule, generator: GeneratorSpec | dict | None, rewards: list[dict] | None = None,
+                reward_combine: str = "weighted_sum", ignore: tuple[str, ...] = ("optimizer",)) -> GeneratorSpec:
+    """The construction every genrl method shares; call it from ``__init__`` right after ``super().__init__()`` and
+    the method's own argument checks. It records the ``__init__`` arguments as hyperparameters (all but ``ignore``,
+    the optimizer factories, which are not plain values), switches to manual optimization (every method steps its
+    own optimizers through :mod:`genrl.methods.phases`), records the generator spec (:func:`policy_spec`), and
+    creates what the hooks fill in or use later: ``method.generator = None`` (built in ``configure_model``), the
+    checkpointed ``iteration`` counter (int64 buffer, 0), the reward :class:`Scorer` and the role table
+    (:class:`~genrl.models.roles.Roles`; declare the roles in ``configure_model``).
+
+    Returns:
+        ``method.generator_spec``.
+    """
+    caller = inspect.currentframe().f_back
+    method.save_hyperparameters(ignore=list(ignore), frame=caller)
+    method.automatic_optimization = False
+    spec = policy_spec(method, generator)
+    method.generator_spec = spec
+    method.generator = None
+    method.register_buffer("iteration", torch.zeros((), dtype=torch.long))
+    method.scorer = Scorer(rewards, reward_combine)
+    method.roles = Roles(method)
     return spec
 
 

@@ -27,11 +27,10 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sid_loss
 from genrl.methods.common import (
-    Scorer,
     check_finite,
     frame_shape_of,
+    init_method,
     log_validation_rewards,
-    policy_spec,
     role_optimizers,
     step_uncounted,
 )
@@ -46,9 +45,7 @@ from genrl.methods.distill import (
     student_rollout,
 )
 from genrl.models.families import GeneratorSpec
-from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning
 from genrl.noise import mix_seed
@@ -135,13 +132,12 @@ class DMD(LightningModule):
             raise ValueError(f"accumulate_grad_batches must be >= 1, got {accumulate_grad_batches}")
         if generator_loss not in ("dmd", "sid"):
             raise ValueError(f"generator_loss must be 'dmd' or 'sid', got {generator_loss!r}")
-        self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer", "weighting"])
-        self.generator_spec = policy_spec(self, generator)
+        init_method(self, generator, rewards, reward_combine,
+                    ignore=("generator_optimizer", "critic_optimizer", "weighting"))
         if self.generator_spec.family != "dit" and teacher is None:
             raise ValueError("a family student (generator:) needs an explicit teacher transformer spec, e.g. "
                              "{model_class: diffusers.WanTransformer3DModel, pretrained: <folder>, subfolder: "
                              "transformer}")
-        self.automatic_optimization = False
         self.teacher_spec = teacher or ModelSpec(pretrained=self.generator_spec.pretrained)
         if self.teacher_spec.pretrained is None and not self.teacher_spec.config:
             raise ValueError("DMD needs a teacher: give teacher.pretrained (or a student with pretrained weights)")
@@ -151,12 +147,8 @@ class DMD(LightningModule):
         self.schedule.causal.num_chunks(num_frames)  # raises off a chunk boundary
         self.frame_shape = tuple(frame_shape) if frame_shape else None
         self.generator_factory, self.critic_factory = generator_optimizer, critic_optimizer
-        self.generator: DiTGenerator | None = None
         self.critic: torch.nn.Module | None = None
-        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))  # optimizer steps of the critic
-        self.register_buffer("micro_step", torch.zeros((), dtype=torch.long))
-        self.scorer = Scorer(rewards, reward_combine)
-        self.roles = Roles(self)
+        self.register_buffer("micro_step", torch.zeros((), dtype=torch.long))  # (iteration: the critic's steps)
         self._negative: Conditioning | None = None
         #: optional weight of the DMD gradient per sample / element (see :meth:`generator_loss`); None: ``weighting``
         self.generator_loss_weight: Callable[..., Any] | None = None

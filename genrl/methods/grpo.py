@@ -25,21 +25,18 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow.policy import PolicyLossName, StepMoments, check_policy_loss, gaussian_kl, policy_loss, velocity_kl
 from genrl.flow.sde import step_mean_std
 from genrl.methods.common import (
-    Scorer,
     advance_iteration,
     check_no_dropout,
     configure_policy,
     configure_policy_optimizer,
+    init_method,
     local_mini_batch,
     ode_validation_config,
-    policy_spec,
 )
 from genrl.methods.phases import collect_flat, flat_validation_step, group_advantages_of, optimizer_steps, score
 from genrl.methods.preview import PreviewConfig, configure_preview, log_proxy_fidelity, select_batch
 from genrl.models.families import GeneratorSpec
-from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles
 from genrl.noise import mix_seed
 from genrl.rollout.sampler import RolloutConfig, encode_cfg, guided_velocity, transition_log_prob
 
@@ -138,18 +135,12 @@ class GRPO(LightningModule):
                 f"{'a preview' if preview is not None else 'none'}); set reuse_rollout_forward: false for these"
             )
         self.needs_moments = check_policy_loss(policy_loss, policy_loss_args)
-        self.save_hyperparameters(ignore=["optimizer"])
-        self.generator_spec = policy_spec(self, generator)
-        self.automatic_optimization = False
+        init_method(self, generator, rewards, reward_combine)
         self.rollout_config = rollout or RolloutConfig()
         self.eval_config = eval_rollout or ode_validation_config(self.rollout_config, num_steps=20)
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
-        self.generator: DiTGenerator | None = None
-        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self.scorer = Scorer(rewards, reward_combine)
         self.preview = preview
-        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:

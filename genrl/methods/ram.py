@@ -32,13 +32,12 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow.forward_rl import ForwardRLObjective, sample_timesteps, velocity_monitors
 from genrl.flow.parameterization import add_noise
 from genrl.methods.common import (
-    Scorer,
     advance_iteration,
     configure_policy,
     configure_policy_optimizer,
     gather_batch,
+    init_method,
     ode_validation_config,
-    policy_spec,
 )
 from genrl.methods.phases import (
     collect_endpoints,
@@ -51,7 +50,7 @@ from genrl.methods.phases import (
 from genrl.methods.preview import PreviewConfig, configure_preview, log_proxy_fidelity, select_batch
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles, ramped_decay
+from genrl.models.roles import ramped_decay
 from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig
 
@@ -157,21 +156,15 @@ class RAM(LightningModule):
                              f"{old_decay_ramp}")
         if not 0 <= t_min < t_max <= 1:
             raise ValueError(f"need 0 <= t_min < t_max <= 1, got {t_min}, {t_max}")
-        self.save_hyperparameters(ignore=["optimizer"])
-        self.automatic_optimization = False
-        self.generator_spec = policy_spec(self, generator)
+        init_method(self, generator, rewards, reward_combine)
         base = rollout or RolloutConfig(kernel="ode")
         self.rollout_config = RolloutConfig(**{**vars(base), "kernel": "ode"})  # endpoints: deterministic ODE
         self.eval_config = eval_rollout or ode_validation_config(self.rollout_config)
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
-        self.generator = None
         self.old_policy = None
-        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
         self.register_buffer("initial_self_consistency", torch.full((), float("nan")))
-        self.scorer = Scorer(rewards, reward_combine)
         self.preview = preview
-        self.roles = Roles(self)
 
     # ------------------------------------------------------------------ construction
     def configure_model(self) -> None:

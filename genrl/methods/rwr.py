@@ -18,17 +18,15 @@ from lightning.pytorch.cli import OptimizerCallable
 from genrl.flow import add_noise
 from genrl.flow.forward_rl import advantage_weighted_fm_loss, sample_timesteps
 from genrl.methods.common import (
-    Scorer,
     advance_iteration,
     configure_policy,
     configure_policy_optimizer,
+    init_method,
     log_validation_rewards,
-    policy_spec,
 )
 from genrl.methods.phases import collect_endpoints, group_advantages_of, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles
 from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig
 
@@ -53,14 +51,10 @@ class RewardWeightedRegression(LightningModule):
         super().__init__()
         if not beta > 0:
             raise ValueError(f"beta must be > 0 (the weights are exp(beta * advantage)), got {beta}")
-        self.save_hyperparameters(ignore=["optimizer"])
-        self.automatic_optimization, self.optimizer_factory = False, optimizer
+        init_method(self, generator, rewards)
+        self.optimizer_factory = optimizer
         self.rollout_config = rollout or RolloutConfig(kernel="ode")
         self.latent_shape = tuple(latent_shape) if latent_shape else None
-        self.generator_spec = policy_spec(self, generator)
-        self.generator, self.roles = None, Roles(self)
-        self.scorer = Scorer(rewards)
-        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
 
     configure_model = configure_policy
 

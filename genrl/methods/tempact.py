@@ -40,8 +40,8 @@ from genrl.methods.common import (
     advance_iteration,
     frame_shape_of,
     gather_batch,
+    init_method,
     log_validation_rewards,
-    policy_spec,
     rank_slice,
     trainer_of,
 )
@@ -50,7 +50,6 @@ from genrl.methods.phases import Rollouts, optimizer_steps, score
 from genrl.methods.planning import build_planner, check_planner_spec, plan_frame_spans, sample_plans
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles
 from genrl.noise import mix_seed
 from genrl.rollout.autoregressive import ChunkSchedule
 from genrl.rollout.branches import branch_rollout, replay_forks
@@ -122,19 +121,15 @@ class TempAct(LightningModule):
         if planner is None and train_planner and plans_per_prompt > 1:
             raise ValueError("plans_per_prompt > 1 needs a planner (planner: {kind: template, ...}); without one set "
                              "plans_per_prompt: 1 (or train_planner: false)")
-        self.save_hyperparameters(ignore=["optimizer"])
-        self.automatic_optimization, self.optimizer_factory = False, optimizer
+        init_method(self, generator, executor_rewards)
+        self.optimizer_factory = optimizer
         self.schedule = schedule or ChunkSchedule()
         self.num_chunks = self.schedule.causal.num_chunks(num_frames)
         self.frame_shape = tuple(frame_shape) if frame_shape else None
-        self.generator_spec = policy_spec(self, generator)
-        self.generator, self.roles = None, Roles(self)
         self._has_planner = planner is not None
         if planner is not None:
             check_planner_spec(planner)  # built in configure_model, like every network
-        self.scorer = Scorer(executor_rewards)
         self.planner_scorer = Scorer(planner_rewards) if planner_rewards else None
-        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
 
     @property
     def plan_net(self) -> torch.nn.Module | None:

@@ -54,12 +54,11 @@ from genrl.flow.tmd import (
     vsd_loss,
 )
 from genrl.methods.common import (
-    Scorer,
     backward_step,
     build_policy,
+    init_method,
     linear_warmup,
     log_validation_rewards,
-    policy_spec,
     role_optimizers,
     trainer_of,
 )
@@ -76,7 +75,7 @@ from genrl.methods.phases import caption_dropout, video_batch
 from genrl.models.discriminator import FeatureGANHeads
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.models.roles import Roles, swapped_transformer
+from genrl.models.roles import swapped_transformer
 from genrl.models.sharding import full_state_dict
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning
@@ -220,8 +219,7 @@ class TMD(LightningModule):
         if gan_weight < 0 or (gan_weight > 0 and stage != "dmd"):
             raise ValueError(f"gan_weight must be >= 0 and applies to stage 'dmd' only; got {gan_weight} in stage "
                              f"{stage!r}")
-        self.save_hyperparameters(ignore=["generator_optimizer", "critic_optimizer"])
-        self.generator_spec = policy_spec(self, generator)
+        init_method(self, generator, rewards, reward_combine, ignore=("generator_optimizer", "critic_optimizer"))
         self.sampler = TransitionConfig(outer_steps=outer_steps, inner_steps=inner_steps, outer_shift=outer_shift,
                                         inner_shift=inner_shift, t_max=t_max,
                                         parameterization=parameterization)  # validates M, N, shifts, t_max
@@ -238,15 +236,10 @@ class TMD(LightningModule):
         if self.teacher_spec is not None and self.teacher_spec.pretrained is None and not self.teacher_spec.config:
             raise ValueError("TMD needs a teacher here: give teacher.pretrained (or a student with pretrained weights)")
         self.critic_spec = critic
-        self.automatic_optimization = False
         self.generator_factory, self.critic_factory = generator_optimizer, critic_optimizer
-        self.generator = None
         self.flow_head: FlowHead | None = None
         self.critic: torch.nn.Module | None = None
         self.gan_heads: FeatureGANHeads | None = None
-        self.register_buffer("iteration", torch.zeros((), dtype=torch.long))
-        self.scorer = Scorer(rewards, reward_combine)
-        self.roles = Roles(self)
         self._negative: Conditioning | None = None
 
     # ------------------------------------------------------------------ construction
