@@ -381,13 +381,13 @@ def train(arena: Arena, only: list[str] | None = None) -> dict[str, dict[int, di
                 cmd = _fit_command(arena, e, folder, seed, budget=arena.budget, max_steps=arena.max_steps,
                                    resume=resume)
                 print(f"[arena] train {e.name} seed {seed}{' (resumed)' if resume else ''}", flush=True)
-                t0 = time.time()
+                t0, commit = time.time(), genrl_commit()  # the code the run starts with
                 _run(cmd, folder / "train.log")
                 record = read_record(folder / "compute.json") or {}
                 meta = read_record(folder / "arena_run.json") or {"commands": []}
                 meta["commands"].append(shlex.join(cmd))
                 meta.update(entrant=e.name, line=e.line, seed=seed, machine=machine(), versions=versions(),
-                            genrl_commit=genrl_commit())
+                            genrl_commit=commit)
                 meta.setdefault("process_wall_s", 0.0)
                 meta["process_wall_s"] = round(meta["process_wall_s"] + time.time() - t0, 1)
                 write_record(folder / "arena_run.json", meta)
@@ -551,6 +551,10 @@ def evaluate(arena: Arena, only: list[str] | None = None) -> dict[str, Any]:
             continue
         for seed in arena.seeds:
             folder = run_dir(arena, e.name, seed)
+            if not (read_record(folder / "compute.json") or {}).get("finished"):
+                # another process (--only) still trains it: it, or the run that writes the leaderboard, evaluates it
+                print(f"[arena] {e.name} seed {seed}: not finished; not evaluated yet", flush=True)
+                continue
             export = next((p.parent for p in sorted(folder.glob("**/export/config.json"))), None)
             if export is None:
                 raise FileNotFoundError(f"entrant {e.name!r} seed {seed}: no export under {folder} (the method "

@@ -197,3 +197,21 @@ def test_only_and_locks_share_the_work_between_processes(tmp_path, monkeypatch):
     with pytest.raises(A.ArenaConfigError, match=r"--only names \['dmd'\], which are not entrants"):
         A.main(["--config", str(config), "--only", "grpo,dmd"])
     assert not (tmp_path / "out").exists()
+
+
+def test_evaluate_skips_a_run_another_process_still_trains(tmp_path, monkeypatch):
+    """With --only, a run another process has not finished (no finished compute.json, no export yet) is skipped, not
+    an error; a finished run without an export is still an error naming the callback to add."""
+    arena = A.load_arena(_write(tmp_path, _base(tmp_path)))
+    seen = []
+    monkeypatch.setattr(A, "evaluate_model", lambda arena, model, dest, flags="": seen.append(Path(model)) or {})
+    done = A.run_dir(arena, "grpo", 0)
+    (done / "runs/x/export").mkdir(parents=True)
+    (done / "runs/x/export/config.json").write_text("{}")
+    A.write_record(done / "compute.json", {"finished": True})
+    A.write_record(A.run_dir(arena, "ram", 0) / "compute.json", {"finished": False})
+    out = A.evaluate(arena, ["grpo", "ram"])
+    assert list(out["runs"]) == ["grpo"] and seen[1:] == [done / "runs/x/export"]
+    A.write_record(A.run_dir(arena, "ram", 0) / "compute.json", {"finished": True})
+    with pytest.raises(FileNotFoundError, match="'ram' seed 0: no export .*DiffusersExport"):
+        A.evaluate(arena, ["ram"])
