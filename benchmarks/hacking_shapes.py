@@ -18,6 +18,7 @@ of the validation prompts) in its own ``--run_dir`` under ``runs/hacking_shapes/
   check: 12 comparisons with a baseline before training).
 - ``honest_kl_dense``: ``honest_dense`` plus Flow-GRPO's KL to the base policy (``kl_beta 0.04``, the closed-form
   per-step Gaussian KL): does the regulariser hold back the background drift the verifier cannot see?
+  ``honest_kl01_dense``: the same with a quarter of that weight (``kl_beta 0.01``).
 
 Reported per arm, from the run's ``hacking.json``: the training reward on the validation prompts (``val/total``) and
 the gold metrics at every validation, the flags (metric, iteration, values) and the monitor's seconds per
@@ -47,6 +48,7 @@ ARMS: dict[str, list[str]] = {
     "honest_dense": DENSE,
     # the honest reward with Flow-GRPO's KL to the base policy (closed-form per-step Gaussian KL, beta 0.04)
     "honest_kl_dense": ["--model.init_args.kl_beta=0.04", "--model.init_args.kl_kind=gaussian", *DENSE],
+    "honest_kl01_dense": ["--model.init_args.kl_beta=0.01", "--model.init_args.kl_kind=gaussian", *DENSE],
 }
 KEYS = ("brightness", "saturation", "constant_frames", "flicker", "flicker_gap", "fd", "diversity_batch",
         "diversity_within_prompt", "shapes/reward", "shapes/color", "shapes/shape", "shapes/direction",

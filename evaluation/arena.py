@@ -643,6 +643,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                     else "; run without --only to write the leaderboard"))
         return {"unfinished": unfinished}
     if unfinished:
+        if not any(run_dir(arena, e.name, s).exists() for e in arena.entrants for s in arena.seeds):
+            raise RuntimeError(f"no stored runs under {arena.out}: the run folders are not committed (a published "
+                               f"leaderboard is the stored result: {arena.publish or arena.out}/leaderboard.json); "
+                               f"train them with: python -m evaluation arena --config {arena.path}")
         raise RuntimeError(f"runs not finished (another process may still train them): {', '.join(unfinished)}; "
                            "rerun when they are")
     evaluated = evaluate(arena)

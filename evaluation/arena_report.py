@@ -282,8 +282,13 @@ def _markdown(board: dict, plots: list[tuple[str, str]]) -> str:
     head, body = _table(board)
     lines = [f"# Arena leaderboard: {p['name']}", "",
              f"Ranked by `{board['gold']}` under the `{board['rank_sampler']}` sampler on held-out prompts and "
-             f"sampling seeds; ± = spread over {len(p['seeds'])} training seeds. Budget {p['budget']:g} network "
-             "forward-equivalents per run (a backward counts two; every role's network counted).", "",
+             f"sampling seeds; ± = spread over {len(p['seeds'])} training seeds (the start's: over the sampling "
+             f"seeds). Budget {p['budget']:g} network forward-equivalents per run (a backward counts two; every "
+             "role's network counted); a run stops at the first iteration boundary at or past it, so `forward-eq. "
+             "used` can exceed it by up to one iteration. Hacking score: the training reward's gain minus the gold "
+             "metric's gain over the start (positive: the training reward rose more than held-out correctness). "
+             "Monitor: `s<seed>: <metric>@<iteration>`, the reward-hacking monitor's warnings during training. "
+             "Rank numbers order means; the standing says which differences are beyond the spread.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     winners = [r["name"] for r in board["entrants"] if r.get("standing") == "winner"]
@@ -295,8 +300,9 @@ def _markdown(board: dict, plots: list[tuple[str, str]]) -> str:
         lines += ["Against the papers:", ""] + [f"- **{n}**: {t}" for n, t in notes] + [""]
     for title, rel in plots:
         lines += [f"![{title}]({rel})", "", f"*{title}*", ""]
-    lines += ["## Protocol", "", f"- arena config: `{p['config']}` (sha256 `{p['config_hash'][:16]}`), protocol "
-              f"{p.get('protocol')}", f"- genrl commit at the start: `{p.get('genrl_commit')}`; versions: "
+    lines += ["## Protocol", "", f"- arena config: `{p['config']}` (sha256 of the parsed config "
+              f"`{p['config_hash'][:16]}`), protocol {p.get('protocol')}",
+              f"- genrl commit at the start: `{p.get('genrl_commit')}`; versions: "
               + ", ".join(f"{k} {v}" for k, v in (p.get("versions") or {}).items()),
               f"- machine: {json.dumps(p.get('machine'))}", f"- start: `{p['start']}`; training seeds {p['seeds']}",
               f"- evaluation: `{json.dumps(p['evaluation'], sort_keys=True)}`", "", "Entrants:", ""]

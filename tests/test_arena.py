@@ -215,3 +215,11 @@ def test_evaluate_skips_a_run_another_process_still_trains(tmp_path, monkeypatch
     A.write_record(A.run_dir(arena, "ram", 0) / "compute.json", {"finished": True})
     with pytest.raises(FileNotFoundError, match="'ram' seed 0: no export .*DiffusersExport"):
         A.evaluate(arena, ["ram"])
+
+
+def test_report_without_stored_runs_says_they_are_not_committed(tmp_path):
+    """--report on a checkout without the run folders (they are not committed) names the published leaderboard and
+    the command that trains the runs, instead of calling them unfinished."""
+    config = _write(tmp_path, _base(tmp_path, publish=str(tmp_path / "pub")))
+    with pytest.raises(RuntimeError, match=r"no stored runs under .*pub/leaderboard.json.*python -m evaluation arena"):
+        A.main(["--config", str(config), "--report"])
