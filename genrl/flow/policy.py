@@ -8,6 +8,7 @@ gathering of rewards is the caller's job: gather (rewards, group_ids, valid) fir
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -293,6 +294,12 @@ POLICY_LOSSES: dict[str, tuple[Callable[..., tuple[torch.Tensor, dict[str, torch
 }
 
 
+@functools.cache
+def _parameters(fn: Callable) -> tuple[str, ...]:
+    """The keyword names of a registered loss (read once per function: the training step calls the loss every step)."""
+    return tuple(inspect.signature(fn).parameters)
+
+
 def check_policy_loss(name: str, options: dict | None = None) -> bool:
     """Validate a policy-loss choice before any training: ``name`` is in :data:`POLICY_LOSSES` and ``options`` are
     keywords that loss takes. Returns whether it needs the step moments (the rollout must record them).
@@ -303,8 +310,8 @@ def check_policy_loss(name: str, options: dict | None = None) -> bool:
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
     fn, needs = POLICY_LOSSES[name]
-    own = set(inspect.signature(fn).parameters) - {"log_prob", "old_log_prob", "advantages", "moments",
-                                                   "clip_range", "clip_range_high", "adv_clip_max"}
+    own = set(_parameters(fn)) - {"log_prob", "old_log_prob", "advantages", "moments", "clip_range",
+                                  "clip_range_high", "adv_clip_max"}
     if unknown := sorted(set(options or {}) - own):
         raise ValueError(f"policy loss {name!r} does not take the options {unknown}; its own options: {sorted(own)}")
     return needs
@@ -339,7 +346,7 @@ def policy_loss(
             raise ValueError(f"the {name!r} policy loss needs the step's transition moments (mean and std); record "
                              f"them in the rollout (rollout(record_moments=True))")
         kwargs["moments"] = moments
-    if "clip_range" in inspect.signature(fn).parameters:
+    if "clip_range" in _parameters(fn):
         kwargs.update(clip_range=clip_range, clip_range_high=clip_range_high)
     return fn(log_prob, old_log_prob, advantages, **kwargs)
 
