@@ -230,3 +230,21 @@ def test_real_text_run_on_vbench_prompts(tmp_path, monkeypatch):
 
     vbench = {r.prompt for r in load_prompts("vbench")}
     assert len(vbench) > 900
+
+
+def test_update_plan_cuts_passes_into_mini_batches_and_permutes_each_pass_by_its_address():
+    from genrl.methods.phases import update_plan
+    from genrl.noise import mix_seed
+
+    one = update_plan(0, 3, n=5, mini_batch=2)  # one pass keeps the order; the last step is shorter
+    assert [r.tolist() for r in one] == [[0, 1], [2, 3], [4]]
+    two = update_plan(7, 3, n=6, mini_batch=3, inner_epochs=2)
+    assert len(two) == 4
+    for epoch in range(2):  # each pass is the permutation addressed by (seed, iteration, pass, stream 11)
+        want = torch.randperm(6, generator=torch.Generator().manual_seed(mix_seed(7, 3, epoch, 11)))
+        assert torch.equal(torch.cat(two[2 * epoch : 2 * epoch + 2]), want)
+    assert not torch.equal(torch.cat(two[:2]), torch.cat(two[2:]))  # the passes differ
+    assert [r.tolist() for r in update_plan(7, 3, 6, 3, 2)] == [r.tolist() for r in two]  # resume repeats it
+    assert not torch.equal(torch.cat(update_plan(7, 4, 6, 3, 2)), torch.cat(two))  # the next iteration does not
+    with pytest.raises(ValueError, match="mini_batch=0"):
+        update_plan(0, 0, n=4, mini_batch=0)

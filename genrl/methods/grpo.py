@@ -33,11 +33,17 @@ from genrl.methods.common import (
     local_mini_batch,
     ode_validation_config,
 )
-from genrl.methods.phases import collect_flat, flat_validation_step, group_advantages_of, optimizer_steps, score
+from genrl.methods.phases import (
+    collect_flat,
+    flat_validation_step,
+    group_advantages_of,
+    optimizer_steps,
+    score,
+    update_plan,
+)
 from genrl.methods.preview import PreviewConfig, configure_preview, log_proxy_fidelity, select_batch
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.noise import mix_seed
 from genrl.rollout.sampler import RolloutConfig, encode_cfg, guided_velocity, transition_log_prob
 
 __all__ = ["GRPO"]
@@ -222,11 +228,8 @@ class GRPO(LightningModule):
                 return loss / len(steps), {key: float(v) for key, v in stats.items()}, 1
             return [lambda k=k: unit(k) for k in steps]
 
-        plan = []  # invalid samples have advantage exactly 0: no gradient, the same steps on every rank
-        for epoch in range(h.inner_epochs):
-            g = torch.Generator().manual_seed(mix_seed(h.seed, it, epoch, 11))
-            order = torch.arange(n)[torch.randperm(n, generator=g)] if h.inner_epochs > 1 else torch.arange(n)
-            plan += [order[s : s + mb] for s in range(0, n, mb)]
+        # invalid samples have advantage exactly 0: no gradient, the same steps on every rank
+        plan = update_plan(h.seed, it, n, mb, h.inner_epochs)
         stats = optimizer_steps(self, self.optimizers(), (units(rows) for rows in plan), h.max_grad_norm)
         self.log_dict({f"train/{key}": value for key, value in stats.items()}, batch_size=n)
         advance_iteration(self, n)

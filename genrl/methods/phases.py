@@ -35,13 +35,13 @@ from genrl.methods.common import (
     trainer_of,
     world_of,
 )
-from genrl.noise import rand_per_sample
+from genrl.noise import mix_seed, rand_per_sample
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
 __all__ = ["Rollouts", "Scores", "caption_dropout", "collect_endpoints", "collect_flat", "collect_tree",
            "flat_validation", "flat_validation_step", "group_advantages_of", "optimizer_steps", "reward_spread",
-           "score", "video_batch"]
+           "score", "update_plan", "video_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +220,33 @@ def reward_spread(module: LightningModule, scores: Scores, advantages: torch.Ten
         logger.warning("iteration %d: every valid rollout scores the same (reward std %.2g): no advantage, no "
                        "update; a collapsed policy or a saturated reward", iteration, rstd)
     return rstd
+
+
+def update_plan(seed: int, iteration: int, n: int, mini_batch: int, inner_epochs: int = 1,
+                stream: int = 11) -> list[torch.Tensor]:
+    """The rows of every optimizer step of a PPO-style update (Schulman et al. 2017, "epochs" of mini-batches over one
+    rollout batch): ``inner_epochs`` passes over the ``n`` local rows, each cut into consecutive mini-batches of
+    ``mini_batch`` rows (the last one shorter when ``mini_batch`` does not divide ``n``). With one pass the rows keep
+    their order; with several, each pass is a fresh permutation addressed by (seed, iteration, pass, ``stream``), so a
+    resumed run repeats an uninterrupted one.
+
+    Returns:
+        a list of int64 [<= mini_batch] row-index tensors, one per optimizer step
+        (``inner_epochs * ceil(n / mini_batch)`` of them).
+    Raises:
+        ValueError: ``n``, ``mini_batch`` or ``inner_epochs`` < 1.
+    """
+    if n < 1 or mini_batch < 1 or inner_epochs < 1:
+        raise ValueError(f"an update plan needs n >= 1 rows, mini_batch >= 1 and inner_epochs >= 1; got n={n}, "
+                         f"mini_batch={mini_batch}, inner_epochs={inner_epochs}")
+    plan = []
+    for epoch in range(inner_epochs):
+        if inner_epochs > 1:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(mix_seed(seed, iteration, epoch, stream)))
+        else:
+            order = torch.arange(n)
+        plan += [order[s : s + mini_batch] for s in range(0, n, mini_batch)]
+    return plan
 
 
 #: a loss unit: () -> (loss to back-propagate (already scaled), {stat: weighted value}, stat weight)
