@@ -489,6 +489,15 @@ def test_forward_rl_multiplier_and_awm_advantage_clip():
         assert float(stats["adv_abs_mean"]) == pytest.approx(float((adv.clamp(-c, c) / c).abs().mean()), rel=1e-12)
 
 
+def _ram_t(model, index, it, draw):
+    """RAM's training t for samples ``index`` at (iteration, draw): the t of its shared re-noising phase."""
+    from genrl.methods.phases import renoise
+    from genrl.methods.ram import _STREAM_EPS, _STREAM_T
+
+    return renoise(torch.zeros(len(index), 1), index, model.hparams.seed, it, draw, _STREAM_T, _STREAM_EPS,
+                   **model.timestep_args())[0]
+
+
 def test_ram_method_wires_every_objective_knob_and_the_timestep_range():
     """RAM's constructor knobs reach ForwardRLObjective field by field, and t_min / t_max / timestep_shift reach its
     timestep draws: uniform on the range is t_min + (t_max - t_min) U for the same U as the full-range draw."""
@@ -498,10 +507,10 @@ def test_ram_method_wires_every_objective_knob_and_the_timestep_range():
               awm_clip_range=0.2, awm_adv_clip=3.0, kl_beta=0.01, ema_kl_beta=0.02)
     assert RAM(objective="awm", **kw).objective == ForwardRLObjective(objective="awm", **kw)
     index = torch.arange(6) + 40
-    full = RAM(timestep_density="uniform").timesteps(index, it=3, draw=2).double()
-    part = RAM(timestep_density="uniform", t_min=0.2, t_max=0.6).timesteps(index, it=3, draw=2).double()
+    full = _ram_t(RAM(timestep_density="uniform"), index, it=3, draw=2).double()
+    part = _ram_t(RAM(timestep_density="uniform", t_min=0.2, t_max=0.6), index, it=3, draw=2).double()
     torch.testing.assert_close(part, 0.2 + 0.4 * full, rtol=0, atol=1e-7)
-    shifted = RAM(timestep_density="uniform", timestep_shift=3.0).timesteps(index, it=3, draw=2).double()
+    shifted = _ram_t(RAM(timestep_density="uniform", timestep_shift=3.0), index, it=3, draw=2).double()
     torch.testing.assert_close(shifted, shift_sigmas(full, 3.0), rtol=0, atol=1e-6)
 
 

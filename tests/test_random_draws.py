@@ -417,17 +417,26 @@ def test_dmd_noising_sigma_and_eps_never_share_an_address(monkeypatch):
     assert len(used) == 2 * 2 * 4 and len(set(used)) == len(used)
 
 
+def _ram_t(model, index, it, draw):
+    """RAM's training t for samples ``index`` at (iteration, draw): the t of its shared re-noising phase."""
+    from genrl.methods.phases import renoise
+    from genrl.methods.ram import _STREAM_EPS, _STREAM_T
+
+    return renoise(torch.zeros(len(index), 1), index, model.hparams.seed, it, draw, _STREAM_T, _STREAM_EPS,
+                   **model.timestep_args())[0]
+
+
 def test_ram_timesteps_per_sample_iteration_and_draw():
     """RAM's t draws (sample_timesteps): bitwise per sample in any micro-batch; iteration, draw number, sample and
     seed each change every t (unrelated over 500 samples)."""
     model = RAM(seed=3, timestep_density="uniform")
     idx = torch.arange(500)
-    t = model.timesteps(idx, 4, 2)
+    t = _ram_t(model, idx, 4, 2)
     assert t.shape == (500,) and float(t.min()) >= 0 and float(t.max()) < 1
-    assert torch.equal(torch.cat([model.timesteps(idx[:130], 4, 2), model.timesteps(idx[130:], 4, 2)]), t)
-    assert torch.equal(model.timesteps(idx.flip(0), 4, 2), t.flip(0))
-    for other in (model.timesteps(idx, 5, 2), model.timesteps(idx, 4, 3), model.timesteps(idx + 500, 4, 2),
-                  RAM(seed=4, timestep_density="uniform").timesteps(idx, 4, 2)):
+    assert torch.equal(torch.cat([_ram_t(model, idx[:130], 4, 2), _ram_t(model, idx[130:], 4, 2)]), t)
+    assert torch.equal(_ram_t(model, idx.flip(0), 4, 2), t.flip(0))
+    for other in (_ram_t(model, idx, 5, 2), _ram_t(model, idx, 4, 3), _ram_t(model, idx + 500, 4, 2),
+                  _ram_t(RAM(seed=4, timestep_density="uniform"), idx, 4, 2)):
         _unrelated(t, other)
     assert abs(float(t.double().mean()) - 0.5) < 5 * math.sqrt(1 / 12 / 500)
 

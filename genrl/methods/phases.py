@@ -25,6 +25,8 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 
+from genrl.flow.forward_rl import sample_timesteps
+from genrl.flow.parameterization import add_noise
 from genrl.flow.policy import group_advantages, group_stats
 from genrl.methods.common import (
     Scorer,
@@ -35,13 +37,13 @@ from genrl.methods.common import (
     trainer_of,
     world_of,
 )
-from genrl.noise import mix_seed, rand_per_sample
+from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
 __all__ = ["Rollouts", "Scores", "caption_dropout", "collect_endpoints", "collect_flat", "collect_tree",
-           "flat_validation", "flat_validation_step", "group_advantages_of", "optimizer_steps", "reward_spread",
-           "score", "update_plan", "video_batch"]
+           "flat_validation", "flat_validation_step", "group_advantages_of", "optimizer_steps", "renoise",
+           "reward_spread", "role_velocity", "score", "update_plan", "video_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,18 +140,33 @@ def score(module: LightningModule, scorer: Scorer, rollouts: Rollouts, group: to
           iteration: int = 0, prefix: str = "reward", meta: dict | None = None) -> Scores:
     """Score ``rollouts`` and log ``<prefix>/<reward>/<key>``, ``<prefix>/total`` (mean over the valid samples of the
     gathered batch), ``<prefix>/invalid_fraction`` and, with groups, ``advantage/<group statistic>``. ``meta``: per-
-    sample reward inputs beside the prompts (:meth:`Scorer.forward`); ``prefix`` names a second scorer's logs.
+    sample reward inputs beside the prompts (:meth:`Scorer.forward`); ``prefix`` names a second scorer's logs. With a
+    groupwise reward (e.g. ``pairwise``, Pref-GRPO) the group ids go to the scorer as ``meta["group"]``, after a check
+    that every group lies whole on one rank (a pointwise-only scorer is called exactly as before).
 
     Raises:
         RuntimeError: every reward of the gathered batch is invalid (NaN): the reward model is failing.
+        ValueError: a groupwise reward without ``group``, or with a group spread over ranks (names the group and the
+            fix: a per-rank batch that is a multiple of ``group_size``).
     """
-    result = scorer(rollouts.pixels, rollouts.prompts, **(meta or {}))
     bs = len(rollouts.prompts)
+    all_group = None
+    if getattr(getattr(scorer, "manager", None), "groupwise", False):
+        from genrl.rewards.pairwise import check_complete_groups
+
+        if group is None:
+            raise ValueError("a groupwise reward (e.g. pairwise) compares the samples of a group: score() needs the "
+                             "batch's group ids (batch['group'])")
+        all_group = gather_batch(module, group)
+        check_complete_groups(all_group, bs)
+        meta = {**(meta or {}), "group": group}
+    result = scorer(rollouts.pixels, rollouts.prompts, **(meta or {}))
     for key, value in result.metrics().items():
         if key not in ("total", "invalid_fraction"):
             module.log(f"{prefix}/{key}", float(value), batch_size=bs)
     total, valid = gather_batch(module, result.total), gather_batch(module, result.valid)
-    all_group = gather_batch(module, group) if group is not None else None
+    if all_group is None and group is not None:
+        all_group = gather_batch(module, group)
     if all_group is not None:
         for key, value in group_stats(total, all_group, valid=valid).items():
             module.log(f"advantage/{key}", float(value), batch_size=bs)
@@ -247,6 +264,49 @@ def update_plan(seed: int, iteration: int, n: int, mini_batch: int, inner_epochs
             order = torch.arange(n)
         plan += [order[s : s + mini_batch] for s in range(0, n, mini_batch)]
     return plan
+
+
+def renoise(x0: torch.Tensor, keys: torch.Tensor, seed: int, iteration: int, draw: int, t_stream: int,
+            eps_stream: int, frame_dim: int = 1, **timestep_args: Any) -> tuple[torch.Tensor, ...]:
+    """Draw ``draw`` of the forward process on clean endpoints (the regression step of forward-process RL and of the
+    DSM-error preference objectives: RAM, DPO, DGPO, CRD): t ~ p(t) (:func:`genrl.flow.forward_rl.sample_timesteps`,
+    ``timestep_args`` its density options), eps ~ N(0, I), x_t = (1 - t) x0 + t eps and the velocity target
+    u = eps - x0. Both draws are addressed by (seed, iteration, stream, key, draw): rows with the same key get the
+    same t and eps, so passing group or pair ids as ``keys`` shares the noise within a group (DGPO) or a pair (DPO),
+    and passing sample indices gives every sample its own (RAM).
+
+    Args:
+        x0: clean endpoints [B, *latent] (any float dtype; t and eps come out on its device).
+        keys: int64 [B] noise addresses.
+        t_stream / eps_stream: the method's stream numbers for t and eps (distinct per method and per use).
+    Returns:
+        ``(t float32 [B], eps [B, *latent], x_t [B, *latent], u [B, *latent])``.
+    """
+    t = sample_timesteps(len(keys), mix_seed(seed, iteration, t_stream), keys, step=draw,
+                         **timestep_args).to(x0.device)
+    eps = randn_per_sample(x0.shape[1:], mix_seed(seed, iteration, eps_stream), keys, step=draw, device=x0.device)
+    return t, eps, add_noise(x0, eps, t, frame_dim=frame_dim), eps - x0
+
+
+def role_velocity(module: LightningModule, x: torch.Tensor, t: torch.Tensor, cond, role: str = "theta",
+                  snapshot: str | None = None) -> torch.Tensor:
+    """The conditional velocity (no CFG) of ``module.generator`` as one of its policy snapshots, float32 [B, *latent]:
+    ``"theta"`` the live weights (with graph); ``"reference"`` the frozen reference (adapter disabled under LoRA, else
+    the declared copy; :meth:`genrl.models.roles.Roles.reference`), without graph; any other value the lagged or
+    frozen role ``snapshot or role`` swapped in (e.g. ``"old_policy"``, RAM / DGPO's fast EMA), without graph.
+
+    Raises:
+        KeyError: the role is not declared (the message lists the declared ones).
+    """
+    gen = module.generator
+    if role == "theta":
+        return gen.velocity(x, t, cond).float()
+    with torch.no_grad():
+        if role == "reference":
+            with module.roles.reference(gen):
+                return gen.velocity(x, t, cond).float()
+        with module.roles.swap(gen, snapshot or role):
+            return gen.velocity(x, t, cond).float()
 
 
 #: a loss unit: () -> (loss to back-propagate (already scaled), {stat: weighted value}, stat weight)

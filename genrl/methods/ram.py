@@ -29,8 +29,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow.forward_rl import ForwardRLObjective, sample_timesteps, velocity_monitors
-from genrl.flow.parameterization import add_noise
+from genrl.flow.forward_rl import ForwardRLObjective, velocity_monitors
 from genrl.methods.common import (
     advance_iteration,
     configure_policy,
@@ -44,14 +43,15 @@ from genrl.methods.phases import (
     flat_validation_step,
     group_advantages_of,
     optimizer_steps,
+    renoise,
     reward_spread,
+    role_velocity,
     score,
 )
 from genrl.methods.preview import PreviewConfig, configure_preview, log_proxy_fidelity, select_batch
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import ramped_decay
-from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["RAM"]
@@ -177,25 +177,12 @@ class RAM(LightningModule):
     configure_optimizers = configure_policy_optimizer
 
     # ------------------------------------------------------------------ pieces
-    def timesteps(self, index: torch.Tensor, it: int, draw: int) -> torch.Tensor:
-        """t [B] of draw ``draw`` for samples ``index`` (addressed by seed, iteration, sample, draw)."""
+    def timestep_args(self) -> dict:
+        """The options of :func:`~genrl.flow.forward_rl.sample_timesteps` for this method's p(t)."""
         h = self.hparams
         grid = self.rollout_config.sigmas()[:-1].tolist() if h.timestep_density == "grid" else None
-        return sample_timesteps(len(index), mix_seed(h.seed, it, _STREAM_T), index, step=draw,
-                                density=h.timestep_density, alpha=h.timestep_alpha, t_min=h.t_min, t_max=h.t_max,
-                                shift=h.timestep_shift, grid=grid)
-
-    def _velocity(self, x: torch.Tensor, t: torch.Tensor, cond, which: str) -> torch.Tensor:
-        """Conditional velocity of the current (``"theta"``, with graph), old or reference policy, float32."""
-        gen = self.generator
-        if which == "theta":
-            return gen.velocity(x, t, cond).float()
-        with torch.no_grad():
-            if which == "old":
-                with self.roles.swap(gen, "old_policy"):
-                    return gen.velocity(x, t, cond).float()
-            with self.roles.reference(gen):
-                return gen.velocity(x, t, cond).float()
+        return dict(density=h.timestep_density, alpha=h.timestep_alpha, t_min=h.t_min, t_max=h.t_max,
+                    shift=h.timestep_shift, grid=grid)
 
     def unit_loss(self, x0: torch.Tensor, adv: torch.Tensor, cond, index: torch.Tensor, it: int, draw: int):
         """The objective's loss on one (draw, micro-batch) unit and its monitors.
@@ -206,15 +193,12 @@ class RAM(LightningModule):
         Returns:
             (0-d loss with graph, dict of detached monitors).
         """
-        h = self.hparams
-        t = self.timesteps(index, it, draw).to(x0.device)
-        eps = randn_per_sample(x0.shape[1:], mix_seed(h.seed, it, _STREAM_EPS), index, step=draw, device=x0.device)
         fd = getattr(self.generator, "frame_dim", 1)
-        x_t = add_noise(x0, eps, t, frame_dim=fd)
-        u = eps - x0
-        v = self._velocity(x_t, t, cond, "theta")
-        v_old = self._velocity(x_t, t, cond, "old")
-        v_ref = self._velocity(x_t, t, cond, "ref") if self.objective.needs_reference else None
+        t, _, x_t, u = renoise(x0, index, self.hparams.seed, it, draw, _STREAM_T, _STREAM_EPS, fd,
+                               **self.timestep_args())
+        v = role_velocity(self, x_t, t, cond)
+        v_old = role_velocity(self, x_t, t, cond, "old_policy")
+        v_ref = role_velocity(self, x_t, t, cond, "reference") if self.objective.needs_reference else None
         loss, stats = self.objective.loss(v, v_old, v_ref, u, x_t, x0, t, adv.to(v.device), frame_dim=fd)
         mon = velocity_monitors(v.detach(), v_old, v_ref if v_ref is not None else v_old, u, frame_dim=fd)
         if v_ref is None:  # no reference forward for this objective: its monitors are not measured
