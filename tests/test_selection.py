@@ -10,7 +10,14 @@ from fractions import Fraction
 import pytest
 import torch
 
-from genrl.flow.selection import SELECTION_MODES, proxy_fidelity, select_candidates, set_overlap, spearman
+from genrl.flow.selection import (
+    SELECTION_MODES,
+    best_worst_pairs,
+    proxy_fidelity,
+    select_candidates,
+    set_overlap,
+    spearman,
+)
 
 F64 = torch.float64
 DETERMINISTIC = ("best_worst", "max_variance", "mean_deviation")
@@ -447,3 +454,122 @@ def test_proxy_fidelity_averages_rows():
         proxy_fidelity(p, f[:, :4], 2)
     with pytest.raises(ValueError, match="N = 8"):
         proxy_fidelity(p, f, 9)
+
+
+# ---------------------------------------------------------------------------------------------- best / worst pairs
+
+
+def _ref_pairs(rewards, group, valid, tie):
+    """Brute-force reference: per group (by first appearance), valid finite members ordered by (reward, index)."""
+    seen = []
+    for g in group:
+        if g not in seen:
+            seen.append(g)
+    chosen, rejected = [], []
+    for g in seen:
+        idx = [i for i in range(len(rewards)) if group[i] == g and valid[i] and math.isfinite(rewards[i])]
+        if len(idx) < 2:
+            continue
+        order = sorted(idx, key=lambda i: (rewards[i], i))
+        lo, hi = order[0], order[-1]
+        if tie == "skip" and rewards[hi] == rewards[lo]:
+            continue
+        chosen.append(hi)
+        rejected.append(lo)
+    return chosen, rejected
+
+
+def test_best_worst_pairs_shuffled_groups_with_invalid_members():
+    nan = math.nan
+    #              0    1    2    3    4    5    6    7    8    9   10   11
+    rewards = [0.3, 0.9, nan, 0.5, 0.1, 0.9, 0.2, 0.7, 0.2, 5.0, 0.4, 0.4]
+    group = [8, 3, 8, 3, 8, 5, 3, 5, 8, 5, 1, 1]
+    valid = [True] * 12
+    valid[9] = False  # the highest reward of group 5, but invalid: never chosen
+    r = torch.tensor(rewards, dtype=F64)
+    g = torch.tensor(group)
+    v = torch.tensor(valid)
+    chosen, rejected = best_worst_pairs(r, g, v)
+    # group 8 first (index 0): valid {0: .3, 4: .1, 8: .2} (2 is NaN) -> (0, 4); group 3: {1: .9, 3: .5, 6: .2}
+    # -> (1, 6); group 5: {5: .9, 7: .7} -> (5, 7); group 1: tied {10, 11} -> skipped
+    assert chosen.tolist() == [0, 1, 5] and rejected.tolist() == [4, 6, 7]
+    assert chosen.dtype == torch.long and rejected.dtype == torch.long
+    assert (chosen.tolist(), rejected.tolist()) == _ref_pairs(rewards, group, valid, "skip")
+    c_a, r_a = best_worst_pairs(r, g, v, tie="arbitrary")
+    # the all-tied group 1 now pairs its later index (chosen) with its earlier one (rejected)
+    assert c_a.tolist() == [0, 1, 5, 11] and r_a.tolist() == [4, 6, 7, 10]
+    # valid=None: every finite reward counts, so the 5.0 of sample 9 is group 5's chosen
+    c_n, r_n = best_worst_pairs(r, g)
+    assert c_n.tolist() == [0, 1, 9] and r_n.tolist() == [4, 6, 7]
+    # +-inf rewards are invalid too (a failed score must not become the best or the worst)
+    r_inf = torch.tensor([math.inf, 0.2, 0.5, -math.inf, 0.3])
+    c_i, r_i = best_worst_pairs(r_inf, torch.zeros(5, dtype=torch.long))
+    assert c_i.tolist() == [2] and r_i.tolist() == [1]
+
+
+def test_best_worst_pairs_all_equal_binary_group():
+    r = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    g = torch.tensor([0, 0, 1, 1, 0, 1, 1, 0])  # group 1 is all 0
+    chosen, rejected = best_worst_pairs(r, g)
+    assert chosen.tolist() == [4] and rejected.tolist() == [0]
+    assert not torch.isnan(r[chosen]).any() and not torch.isnan(r[rejected]).any()
+    c_a, r_a = best_worst_pairs(r, g, tie="arbitrary")
+    assert c_a.tolist() == [4, 6] and r_a.tolist() == [0, 2]
+    assert bool((c_a != r_a).all())
+    # a batch of only tied groups gives no pair at all (two empty int64 tensors)
+    c0, r0 = best_worst_pairs(torch.zeros(6), torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert c0.shape == (0,) and r0.shape == (0,) and c0.dtype == torch.long
+
+
+def test_best_worst_pairs_one_winner_among_zeros():
+    r = torch.tensor([0, 0, 0, 1, 0, 0], dtype=torch.int64)  # integer rewards are fine
+    g = torch.full((6,), 4)
+    chosen, rejected = best_worst_pairs(r, g)
+    assert chosen.tolist() == [3] and rejected.tolist() == [0]  # the 1, and the lowest-index 0
+    # the same rule as select_candidates' top / bottom sets
+    assert select_candidates(r, 2, "best_worst").tolist() == sorted([3, 0])
+    # an invalid lowest-index 0 moves the rejected to the next 0
+    v = torch.tensor([False, True, True, True, True, True])
+    assert best_worst_pairs(r, g, v)[1].tolist() == [1]
+
+
+def test_best_worst_pairs_single_valid_member_gives_no_pair():
+    r = torch.tensor([0.2, math.nan, 0.9, 0.4, 0.1], dtype=F64)
+    g = torch.tensor([0, 0, 1, 2, 2])  # group 0: one finite reward; group 1: one member
+    v = torch.tensor([True, True, True, False, True])  # group 2: one valid member
+    for tie in ("skip", "arbitrary"):
+        chosen, rejected = best_worst_pairs(r, g, v, tie=tie)
+        assert chosen.numel() == 0 and rejected.numel() == 0
+    assert best_worst_pairs(torch.zeros(0), torch.zeros(0, dtype=torch.long))[0].shape == (0,)
+
+
+def test_best_worst_pairs_matches_reference_on_random_batches():
+    gen = _gen(50)
+    for trial in range(20):
+        n = 3 + trial
+        r = torch.randint(0, 3, (n,), generator=gen).to(F64)
+        if trial % 3 == 0:
+            r[torch.randint(0, n, (2,), generator=gen)] = math.nan
+        g = torch.randint(0, 5, (n,), generator=gen) * 7 - 10
+        v = torch.rand(n, generator=gen) > 0.2
+        for tie in ("skip", "arbitrary"):
+            chosen, rejected = best_worst_pairs(r, g, v, tie=tie)
+            assert (chosen.tolist(), rejected.tolist()) == _ref_pairs(r.tolist(), g.tolist(), v.tolist(), tie)
+            assert bool((r[chosen] >= r[rejected]).all()) and bool((chosen != rejected).all())
+            if tie == "skip":
+                assert bool((r[chosen] > r[rejected]).all())
+
+
+def test_best_worst_pairs_errors():
+    r = torch.rand(4)
+    g = torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match="unknown tie policy 'random'"):
+        best_worst_pairs(r, g, tie="random")
+    with pytest.raises(ValueError, match=r"rewards must be a 1-d real tensor \[B\], got \(2, 2\)"):
+        best_worst_pairs(r.view(2, 2), g)
+    with pytest.raises(ValueError, match=r"group must be a \[B\] = \[4\] tensor.*\(3,\)"):
+        best_worst_pairs(r, g[:3])
+    with pytest.raises(ValueError, match="group must hold integer ids.*float32"):
+        best_worst_pairs(r, g.float())
+    with pytest.raises(ValueError, match=r"valid must be a bool \[B\] = \[4\].*int64"):
+        best_worst_pairs(r, g, torch.tensor([1, 1, 0, 1]))

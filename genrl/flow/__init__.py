@@ -85,6 +85,20 @@ from genrl.flow.policy import (
     step_divergence,
     velocity_kl,
 )
+from genrl.flow.preference import (
+    CRD_MIN_SCALE,
+    CRDCentering,
+    CRDMode,
+    DPOWeighting,
+    apply_keep,
+    crd_centering,
+    crd_implicit_reward,
+    crd_loss,
+    dgpo_group_logits,
+    dgpo_surrogate,
+    dpo_loss,
+    dsm_clip_keep,
+)
 from genrl.flow.renoise import renoise_log_prob, renoise_log_ratio, renoise_mean
 from genrl.flow.schedules import (
     NUM_TRAIN_TIMESTEPS,
@@ -239,4 +253,16 @@ __all__ = [
     "adaptive_loss",
     "vsd_gradient",
     "vsd_loss",
+    "DPOWeighting",
+    "CRDMode",
+    "CRD_MIN_SCALE",
+    "dpo_loss",
+    "dgpo_group_logits",
+    "dgpo_surrogate",
+    "dsm_clip_keep",
+    "apply_keep",
+    "crd_implicit_reward",
+    "CRDCentering",
+    "crd_centering",
+    "crd_loss",
 ]

@@ -5,7 +5,8 @@ candidates per prompt cheaply (low-precision sampling), scores them, keeps K of 
 regenerates those K in full precision and trains on them. `select_candidates` picks the K from a [G, N]
 matrix of preview rewards (G prompts, N candidates each); `spearman`, `set_overlap` and `proxy_fidelity`
 measure how well the preview rewards rank the candidates like the full-precision rewards do (log them every
-iteration: a drop means the cheap preview no longer predicts the trained samples).
+iteration: a drop means the cheap preview no longer predicts the trained samples). `best_worst_pairs` builds one
+(chosen, rejected) pair per group of a gathered batch for online preference training (DPO on pointwise rewards).
 
 Tie rule shared by every function here: rewards are ordered by ONE stable ascending sort, i.e. by
 (reward, index) lexicographically. A "bottom-m" set is the first m of that order and a "top-m" set the last m,
@@ -25,6 +26,8 @@ __all__ = [
     "SelectionMode",
     "SELECTION_MODES",
     "select_candidates",
+    "PairTie",
+    "best_worst_pairs",
     "spearman",
     "set_overlap",
     "proxy_fidelity",
@@ -188,6 +191,100 @@ def _max_variance_split(s: torch.Tensor, k: int) -> torch.Tensor:
     # preference among tied splits: |2i - k| smallest, then i smallest (rank (k + 1) |2i - k| + i < 3 (k + 1)^2)
     pref = (2 * i - k).abs() * (k + 1) + i
     return torch.where(tied, pref, 3 * (k + 1) ** 2).argmin(dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# preference pairs
+
+
+PairTie = Literal["skip", "arbitrary"]
+_PAIR_TIES: tuple[str, ...] = ("skip", "arbitrary")
+
+
+def best_worst_pairs(
+    rewards: torch.Tensor,
+    group: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    tie: PairTie = "skip",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (chosen, rejected) pair per group from pointwise rewards: the group's best and worst sample.
+
+    Online DPO on pointwise rewards (Flow-GRPO's DPO / OnlineDPO, Flow-Factory's ``dpo``, verl-omni's online
+    DPO) pairs each prompt's highest-reward sample with its lowest. Within each group's valid members the
+    module's tie rule orders the rewards: ONE stable ascending sort by reward, i.e. by (reward, batch index),
+    so among equal rewards the lower batch index counts as lower. The rejected sample is the first of that
+    order and the chosen the last, which is the same rule as `select_candidates`' bottom / top sets; hence
+    chosen != rejected whenever the group has >= 2 valid members, and reward(chosen) >= reward(rejected).
+    With binary rewards and a single 1 among 0s, the chosen is the 1 and the rejected the lowest-index 0.
+
+    Groups with fewer than 2 valid members give no pair. A group whose valid rewards are all equal (its
+    maximum equals its minimum, e.g. an all-0 binary group) gives no pair with ``tie="skip"`` (a pair of equal
+    rewards carries no preference), and the (last, first) pair of the stable order with ``tie="arbitrary"``
+    (Flow-GRPO's behaviour: an arbitrary pair is trained).
+
+    Args:
+        rewards: [B] real rewards of a (gathered) batch; any real dtype, compared in float64.
+        group: [B] integer group id per sample (e.g. the prompt index); any values, any order.
+        valid: optional [B] bool mask of usable samples. Samples with a NaN or +-inf reward are invalid in
+            any case (never chosen nor rejected); None means every finite reward is valid.
+        tie: ``"skip"`` or ``"arbitrary"``, the all-tied group's policy above.
+
+    Returns:
+        (chosen, rejected): two int64 [P] index tensors into the batch (P = number of pairs, possibly 0), one
+        entry per paired group, ordered by the group's first appearance in the batch (its lowest batch index,
+        valid or not), on the rewards' device.
+
+    Raises:
+        ValueError: rewards not a 1-d real tensor; group / valid not of its shape; group ids not integers;
+            valid not bool; unknown tie policy.
+
+    Source: Wallace et al. 2024, Diffusion-DPO (pairs); the best / worst pairing of online DPO in Flow-GRPO
+    (Liu et al. 2025) and its ports.
+    """
+    if tie not in _PAIR_TIES:
+        raise ValueError(f"unknown tie policy {tie!r}; expected one of {_PAIR_TIES}")
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1 or rewards.is_complex():
+        shape = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"rewards must be a 1-d real tensor [B], got {shape}")
+    b = rewards.shape[0]
+    if not isinstance(group, torch.Tensor) or group.shape != rewards.shape:
+        shape = tuple(group.shape) if isinstance(group, torch.Tensor) else type(group).__name__
+        raise ValueError(f"group must be a [B] = [{b}] tensor of group ids, got {shape}")
+    if group.dtype.is_floating_point or group.dtype.is_complex or group.dtype == torch.bool:
+        raise ValueError(f"group must hold integer ids, got dtype {group.dtype}")
+    r = rewards.detach().to(torch.float64)
+    ok = torch.isfinite(r)
+    if valid is not None:
+        if not isinstance(valid, torch.Tensor) or valid.shape != rewards.shape or valid.dtype != torch.bool:
+            desc = f"{tuple(valid.shape)} {valid.dtype}" if isinstance(valid, torch.Tensor) else type(valid).__name__
+            raise ValueError(f"valid must be a bool [B] = [{b}] tensor or None, got {desc}")
+        ok = ok & valid.to(r.device)
+    empty = torch.zeros(0, dtype=torch.long, device=r.device)
+    if b == 0:
+        return empty, empty.clone()
+    _, inverse = torch.unique(group.to(r.device), return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    index = torch.arange(b, device=r.device)
+    first_seen = torch.full((n_groups,), b, dtype=torch.long, device=r.device).scatter_reduce_(
+        0, inverse, index, reduce="amin"
+    )
+    members = ok.nonzero().flatten()  # valid batch indices, ascending
+    if members.numel() == 0:
+        return empty, empty.clone()
+    # the tie rule: one stable sort by reward (ties keep ascending batch index), then a stable sort by group,
+    # so each group's valid members end up contiguous and in (reward, index) order
+    order = members[r[members].sort(stable=True).indices]
+    order = order[inverse[order].sort(stable=True).indices]
+    g_sorted = inverse[order]
+    _, counts = torch.unique_consecutive(g_sorted, return_counts=True)
+    end = counts.cumsum(0)
+    rejected, chosen = order[end - counts], order[end - 1]
+    keep = counts >= 2
+    if tie == "skip":
+        keep = keep & (r[chosen] > r[rejected])
+    chosen, rejected = chosen[keep], rejected[keep]
+    by_first = first_seen[inverse[chosen]].sort().indices
+    return chosen[by_first], rejected[by_first]
 
 
 # ----------------------------------------------------------------------------------------------
