@@ -27,13 +27,15 @@ from genrl.flow.sde import sde_step, step_log_prob
 from genrl.models.text_encoder import Conditioning
 from genrl.noise import NoiseBackend, check_backend, mix_seed, randn_per_sample
 
-__all__ = ["BATCHING_MODES", "RolloutConfig", "Trajectory", "call_plan", "encode_cfg", "guided_velocity", "rollout",
-           "sde_mask", "transition_log_prob"]
+__all__ = ["BATCHING_MODES", "SDE_STEP_MODES", "RolloutConfig", "Trajectory", "call_plan", "encode_cfg",
+           "guided_velocity", "rollout", "sde_mask", "transition_log_prob"]
 
 Kernel = Literal["ode", "flow_grpo", "dance_grpo"]
 Batching = Literal["fixed", "fast", "bucketed"]
 #: the accepted values of ``RolloutConfig.batching``.
 BATCHING_MODES = ("fixed", "fast", "bucketed")
+#: the accepted values of ``RolloutConfig.sde_steps``.
+SDE_STEP_MODES = ("all", "prefix", "window", "progressive", "random_steps")
 
 
 @dataclass
@@ -47,12 +49,43 @@ class RolloutConfig:
             ``"dance_grpo"`` (g = eta = ``noise_level``); docs/methods/grpo.md (Exploration).
         noise_level: a (Flow-GRPO, default 0.7) or eta (DanceGRPO, 0.3).
         cfg_scale: guidance scale w of the rollout policy (1 = conditional model only).
-        sde_steps: which steps are stochastic, hence recorded and trainable: ``"all"``; ``"prefix"`` (the first
-            ``num_sde_steps``, Flow-GRPO's timestep fraction); ``"window"`` (``num_sde_steps`` consecutive steps
-            starting uniformly in [``window_start``, ``window_end`` - ``num_sde_steps``], redrawn per rollout,
-            Flow-GRPO-Fast). Other steps are ODE steps.
+        sde_steps: which steps are stochastic, hence recorded and trainable (the others are ODE steps); the mask is
+            :func:`sde_mask`, a pure function of (config, seed, rollout_id), the training iteration being the
+            rollout id:
+
+            - ``"all"``;
+            - ``"prefix"``: the first ``num_sde_steps`` (Flow-GRPO's timestep fraction);
+            - ``"window"``: ``num_sde_steps`` consecutive steps starting uniformly in [``window_start``,
+              ``window_end`` - ``num_sde_steps``], redrawn per rollout (Flow-GRPO-Fast);
+            - ``"progressive"``: ``num_sde_steps`` consecutive steps whose start moves with the iteration k
+              (MixGRPO, Li et al. 2025, arXiv 2507.21802): with the P = ``window_end`` - ``num_sde_steps`` -
+              ``window_start`` + 1 starts p in [``window_start``, ``window_end`` - ``num_sde_steps``],
+              ``s(k) = window_start + ((k // window_iterations) * window_stride) mod P``: the window advances by
+              ``window_stride`` every ``window_iterations`` iterations and wraps round. It always holds exactly
+              ``num_sde_steps`` steps (MixGRPO's own scheduler also reaches a start of T - 2, whose window is empty,
+              so one block of iterations trains nothing, and clips the windows before it; genrl's starts stop where
+              a whole window still fits). With ``window_stride`` > 1 the start continues from the remainder after a
+              wrap (MixGRPO restarts from 0), so all starts that are multiples of gcd(``window_stride``, P) after
+              ``window_start`` are visited;
+            - ``"random_steps"``: ``num_sde_steps`` distinct steps drawn uniformly without replacement from
+              ``sde_candidates`` (None: every step in [``window_start``, ``window_end``)), redrawn per rollout
+              (Flow-Factory's step list with a step count).
+
+            ``"window"`` and ``"random_steps"`` draw from (seed, rollout_id): the same steps for every sample and
+            rank of one rollout.
         num_sde_steps: see ``sde_steps``; ignored for ``"all"``.
-        window_start, window_end: range of the window (``window_end`` None = ``num_steps``).
+        window_start, window_end: range of the window (``window_end`` None = ``num_steps`` for ``"window"``; for
+            ``"progressive"`` and ``"random_steps"`` None = ``num_steps - 1`` with ``skip_last_step``, else
+            ``num_steps``, so that every window keeps its ``num_sde_steps`` steps; these two modes refuse a
+            ``window_end`` that reaches the last step under ``skip_last_step``). ``"window"`` keeps its historical
+            default: a window that reaches the last step there loses that step.
+        window_iterations: ``"progressive"``: iterations per window position, >= 1 (MixGRPO 25, MixGRPO-Flash 20).
+        window_stride: ``"progressive"``: steps the window advances per position, >= 1 and below the number of
+            positions when there are several (MixGRPO's ``prog_overlap_step``, 1).
+        sde_candidates: ``"random_steps"``: the steps to draw from (distinct, in [0, ``num_steps``), the last step
+            excluded under ``skip_last_step``, at least ``num_sde_steps`` of them); ``window_start`` /
+            ``window_end`` are then ignored. None: every step in [``window_start``, ``window_end``). Only valid
+            with ``sde_steps="random_steps"``.
         skip_last_step: never make the last step stochastic (its Gaussian is so narrow that log-probs blow
             up; Flow-GRPO and DanceGRPO exclude it).
         micro_batch_size: samples per network call: exactly (``batching="fixed"``, the last call padded by
@@ -77,10 +110,13 @@ class RolloutConfig:
     kernel: Kernel = "flow_grpo"
     noise_level: float = 0.7
     cfg_scale: float = 1.0
-    sde_steps: Literal["all", "prefix", "window"] = "all"
+    sde_steps: Literal["all", "prefix", "window", "progressive", "random_steps"] = "all"
     num_sde_steps: int = 2
     window_start: int = 0
     window_end: int | None = None
+    window_iterations: int = 25
+    window_stride: int = 1
+    sde_candidates: list[int] | None = None
     skip_last_step: bool = True
     micro_batch_size: int = 8
     null_prompt: str = ""
@@ -109,8 +145,77 @@ class RolloutConfig:
             raise ValueError(f"unknown batching {self.batching!r}; use 'fixed' (bitwise batch-independent), 'fast' "
                              f"(calls sized to the work) or 'bucketed' (fast, padded to powers of two for compile)")
         check_backend(self.noise_backend)
+        if self.sde_steps not in SDE_STEP_MODES:
+            raise ValueError(f"unknown sde_steps {self.sde_steps!r}; use one of {SDE_STEP_MODES}")
         if self.sde_steps != "all" and not 1 <= self.num_sde_steps <= self.num_steps:
             raise ValueError(f"num_sde_steps must be in [1, num_steps={self.num_steps}], got {self.num_sde_steps}")
+        for name in ("window_iterations", "window_stride"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.sde_candidates is not None and self.sde_steps != "random_steps":
+            raise ValueError(f"sde_candidates={self.sde_candidates} is only used by sde_steps='random_steps' (got "
+                             f"sde_steps={self.sde_steps!r}); remove it or set sde_steps: random_steps")
+        if self.sde_steps == "random_steps" and self.sde_candidates is not None:
+            self.sde_candidates = self._checked_candidates(self.sde_candidates)
+        elif self.sde_steps in ("progressive", "random_steps"):
+            self._check_sde_range()
+
+    def sde_range(self) -> tuple[int, int]:
+        """[start, end) of the steps the ``"progressive"`` window sweeps and ``"random_steps"`` draws from (without
+        ``sde_candidates``): ``window_start`` and ``window_end``, which defaults to ``num_steps - 1`` under
+        ``skip_last_step`` (the last step is never stochastic), else ``num_steps``."""
+        default = self.num_steps - 1 if self.skip_last_step else self.num_steps
+        return self.window_start, default if self.window_end is None else self.window_end
+
+    def _check_sde_range(self) -> None:
+        """Validate [window_start, window_end) for ``"progressive"`` / ``"random_steps"`` (ValueError naming the bad
+        value and the fix)."""
+        mode, n = self.sde_steps, self.num_sde_steps
+        start, end = self.sde_range()
+        last = self.num_steps - 1
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"window_start must be an integer >= 0, got {start!r}")
+        if self.window_end is not None and (isinstance(end, bool) or not isinstance(end, int)):
+            raise ValueError(f"window_end must be an integer or null, got {end!r}")
+        if end > self.num_steps:
+            raise ValueError(f"window_end={end} is past num_steps={self.num_steps}; set window_end <= "
+                             f"{self.num_steps if not self.skip_last_step else last} or leave it unset")
+        if self.skip_last_step and end > last:
+            raise ValueError(f"window_end={end} includes the last step {last}, which skip_last_step keeps "
+                             f"deterministic, so a sde_steps={mode!r} window there would lose a step; set window_end "
+                             f"<= {last} (unset defaults to {last}) or skip_last_step: false")
+        if end - start < n:
+            raise ValueError(f"num_sde_steps={n} steps do not fit in [window_start={start}, window_end={end}) "
+                             f"(sde_steps={mode!r}, num_steps={self.num_steps}, skip_last_step="
+                             f"{self.skip_last_step}); lower num_sde_steps or widen the range")
+        positions = end - n - start + 1
+        if mode == "progressive" and positions > 1 and self.window_stride >= positions:
+            raise ValueError(f"window_stride={self.window_stride} is not below the {positions} window positions "
+                             f"(starts {start}..{end - n}), so it would wrap past every start; set window_stride in "
+                             f"[1, {positions - 1}]")
+
+    def _checked_candidates(self, candidates) -> list[int]:
+        """``sde_candidates`` validated (ValueError naming the bad value and the fix) and sorted."""
+        if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+            raise ValueError(f"sde_candidates must be a list of step indices, got {candidates!r}")
+        last = self.num_steps - 1
+        for c in candidates:
+            if isinstance(c, bool) or not isinstance(c, int):
+                raise ValueError(f"sde_candidates holds {c!r}, not a step index; give integers in [0, {last}]")
+            if not 0 <= c <= last:
+                raise ValueError(f"sde_candidates holds step {c}, outside [0, {last}] (num_steps={self.num_steps}); "
+                                 f"remove it")
+            if self.skip_last_step and c == last:
+                raise ValueError(f"sde_candidates holds the last step {c}, which skip_last_step keeps deterministic; "
+                                 f"remove it or set skip_last_step: false")
+        dupes = sorted({c for c in candidates if list(candidates).count(c) > 1})
+        if dupes:
+            raise ValueError(f"sde_candidates repeats step(s) {dupes}; list each step once")
+        if len(candidates) < self.num_sde_steps:
+            raise ValueError(f"sde_candidates={list(candidates)} has {len(candidates)} step(s), fewer than "
+                             f"num_sde_steps={self.num_sde_steps}; add candidates or lower num_sde_steps")
+        return sorted(int(c) for c in candidates)
 
     def sigma_at_one(self, sigmas: torch.Tensor) -> float | None:
         """The Flow-GRPO kernel's stand-in for sigma = 1 in g's denominator: the schedule's second entry
@@ -125,26 +230,59 @@ class RolloutConfig:
 
 
 def sde_mask(config: RolloutConfig, seed: int, rollout_id: int = 0) -> torch.Tensor:
-    """bool [num_steps]: which steps use the stochastic kernel. The window start is drawn from
-    (seed, rollout_id), the same for every sample and rank of one rollout."""
+    """Which steps of a rollout use the stochastic kernel (hence are recorded and trainable).
+
+    A pure function of (config, seed, rollout_id); see ``RolloutConfig.sde_steps`` for the modes. ``"window"`` and
+    ``"random_steps"`` draw from (seed, rollout_id) with a CPU generator, so every sample and rank of one rollout gets
+    the same steps; ``"progressive"`` depends on ``rollout_id`` (the training iteration k) only:
+    ``start = window_start + ((k // window_iterations) * window_stride) mod P`` with P the number of window starts
+    (MixGRPO, arXiv 2507.21802). An ``"ode"`` kernel has no stochastic step.
+
+    Args:
+        config: the :class:`RolloutConfig`; seed: run seed; rollout_id: the rollout's id (the iteration), an int
+            (>= 0 for ``"progressive"``).
+    Returns:
+        bool [num_steps] on the CPU; ``"prefix"`` / ``"progressive"`` / ``"random_steps"`` have exactly
+        ``num_sde_steps`` True (``"prefix"`` one fewer when it reaches the last step under ``skip_last_step``).
+    Raises:
+        ValueError: a ``"window"`` that does not fit in its range; a negative ``rollout_id`` with ``"progressive"``.
+    """
     s = config.num_steps
     mask = torch.zeros(s, dtype=torch.bool)
     if config.kernel == "ode":
         return mask
+    n = config.num_sde_steps
     if config.sde_steps == "all":
         mask[:] = True
     elif config.sde_steps == "prefix":
-        mask[: config.num_sde_steps] = True
+        mask[:n] = True
+    elif config.sde_steps == "progressive":
+        if int(rollout_id) < 0:
+            raise ValueError(f"a progressive SDE window needs rollout_id (the training iteration) >= 0, got "
+                             f"{rollout_id}")
+        lo, end = config.sde_range()
+        positions = end - n - lo + 1
+        k = lo + ((int(rollout_id) // config.window_iterations) * config.window_stride) % positions
+        mask[k : k + n] = True
+    elif config.sde_steps == "random_steps":
+        if config.sde_candidates is not None:
+            candidates = list(config.sde_candidates)
+        else:
+            lo, end = config.sde_range()
+            candidates = list(range(lo, end))
+        g = torch.Generator().manual_seed(mix_seed(seed, rollout_id, 0, 98))
+        picked = torch.randperm(len(candidates), generator=g)[:n]
+        mask[torch.tensor([candidates[int(i)] for i in picked], dtype=torch.long)] = True
     else:
         end = config.window_end if config.window_end is not None else s
-        hi = end - config.num_sde_steps
+        hi = end - n
         if hi < config.window_start:
             raise ValueError(
-                f"window of {config.num_sde_steps} steps does not fit in [{config.window_start}, {end})"
+                f"window of {n} steps does not fit in [{config.window_start}, {end})"
             )
         g = torch.Generator().manual_seed(mix_seed(seed, rollout_id, 0, 99))
         k = int(torch.randint(config.window_start, hi + 1, (1,), generator=g))
-        mask[k : k + config.num_sde_steps] = True
+        mask[k : k + n] = True
     if config.skip_last_step:
         mask[-1] = False
     return mask
