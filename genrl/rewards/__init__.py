@@ -4,8 +4,9 @@ Importing this package registers every reward (heavy libraries load only when a 
 ``"shapes"`` (:class:`ShapesVerifier`), ``"shapes_video"`` (:class:`ShapesVideoReward`, differentiable),
 ``"shapes_temporal"`` (:class:`ShapesTemporalReward`, step following / switch delay / order of step plans),
 ``"colorfulness"``, ``"brightness"`` (mean luma, or darkness: a planted hack), ``"clipscore"``, ``"pickscore"``,
-``"aesthetic"``, ``"hpsv2"``, ``"imagereward"``, ``"videoalign"``, ``"ocr"`` and ``"remote"`` (a loopback reward
-server).
+``"aesthetic"``, ``"hpsv2"``, ``"imagereward"``, ``"videoalign"``, ``"ocr"``, ``"remote"`` (a loopback reward
+server), ``"pairwise"`` (groupwise: win rates under a pairwise judge, Pref-GRPO) and ``"pair_judge"`` (a judge to
+serve).
 :class:`RewardManager` holds a method's rewards outside its module tree and combines them.
 """
 
@@ -23,6 +24,21 @@ from genrl.rewards.manager import (
     per_reward_advantages,
 )
 from genrl.rewards.ocr import OCRReward
+from genrl.rewards.pairwise import (
+    PairJudgeReward,
+    PairwiseJudge,
+    PairwiseReward,
+    RemoteJudge,
+    ScoreJudge,
+    ShapesJudge,
+    UnknownJudgeError,
+    available_judges,
+    build_judge,
+    check_complete_groups,
+    parse_preference,
+    register_judge,
+    win_rates,
+)
 from genrl.rewards.registry import (
     RewardSpec,
     UnknownRewardError,
@@ -66,4 +82,17 @@ __all__ = [
     "as_reward_spec",
     "build_reward_with_context",
     "per_reward_advantages",
+    "PairJudgeReward",
+    "PairwiseJudge",
+    "PairwiseReward",
+    "RemoteJudge",
+    "ScoreJudge",
+    "ShapesJudge",
+    "UnknownJudgeError",
+    "available_judges",
+    "build_judge",
+    "check_complete_groups",
+    "parse_preference",
+    "register_judge",
+    "win_rates",
 ]

@@ -195,7 +195,8 @@ class RewardResult:
         errors: ``{reward: number of chunk calls that raised}`` in this batch (``on_error="invalid"``).
         nan_rewards: ``{reward: samples whose main score was NaN / inf although the reward marked them valid}``.
         stats: extra scalars for logging (running mean / std / count per standardised reward: every reward under
-            ``zscore_sum``, those with ``standardize`` otherwise).
+            ``zscore_sum``, those with ``standardize`` otherwise; a groupwise reward's ``last_stats``, e.g.
+            ``"pairwise/judge_failures"``).
     """
 
     components: dict[str, Tensor]
@@ -451,6 +452,12 @@ class RewardManager:
         return {n: s.weight for n, s in zip(self.names, self.specs)}
 
     @property
+    def groupwise(self) -> bool:
+        """True when a reward is groupwise (its class sets ``groupwise = True``, e.g. ``"pairwise"``): it scores a
+        sample against the rest of its group, so the caller must pass ``group=`` and whole groups."""
+        return any(getattr(get_reward_class(s.name), "groupwise", False) for s in self.specs)
+
+    @property
     def built(self) -> bool:
         """True once :meth:`build` has run."""
         return bool(self.models)
@@ -546,13 +553,15 @@ class RewardManager:
     def _score_one(
         self, name: str, model: RewardModel, pixels: Tensor, prompts: list[str], meta: Mapping[str, Any]
     ) -> tuple[dict[str, Tensor], Tensor, int]:
-        """One reward over the whole batch, chunked: (float32 CPU outputs, bool valid, failed chunk count)."""
+        """One reward over the whole batch, chunked: (float32 CPU outputs, bool valid, failed chunk count). A
+        groupwise reward is called once on the whole batch (a chunk could cut a group)."""
         n = pixels.shape[0]
         device = self._model_device(model)
         chunks: list[tuple[int, int, dict[str, Tensor] | None]] = []
         errors = 0
-        for lo in range(0, n, self.batch_size):
-            hi = min(n, lo + self.batch_size)
+        step = max(n, 1) if getattr(model, "groupwise", False) else self.batch_size
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
             x = pixels[lo:hi]
             if device is not None:
                 x = x.to(device)
@@ -598,7 +607,10 @@ class RewardManager:
                 device); detached, scored under ``no_grad`` (for reward gradients call a model directly).
             prompts: B strings.
             **meta: passed to every reward; tensors with first dimension B and lists / tuples of length B are
-                sliced per chunk, anything else is passed whole.
+                sliced per chunk, anything else is passed whole. ``group`` (int [B] or B hashables: the samples'
+                group ids) is reserved: it goes to the groupwise rewards only (:attr:`groupwise`; the pointwise
+                ones never see it), each called once on the whole batch, and their ``last_stats`` scalars join
+                :attr:`RewardResult.stats` as ``"<reward>/<key>"``.
 
         Returns:
             :class:`RewardResult` (CPU, float32 scores). ``zscore_sum`` (or a spec's ``standardize``) updates
@@ -623,14 +635,22 @@ class RewardManager:
             raise ValueError(f"got {len(prompts)} prompts for a batch of {n} videos (shape {tuple(pixels.shape)})")
         self.build()
         pixels = pixels.detach()
+        group = meta.pop("group", None)
 
         components: dict[str, Tensor] = {}
         rewards: dict[str, Tensor] = {}
         reward_valid: dict[str, Tensor] = {}
         errors: dict[str, int] = {}
         nan_rewards: dict[str, int] = {}
+        judge_stats: dict[str, float] = {}
         for name in self.names:
-            values, valid, err = self._score_one(name, self.models[name], pixels, prompts, meta)
+            model = self.models[name]
+            groupwise = getattr(model, "groupwise", False)
+            values, valid, err = self._score_one(name, model, pixels, prompts,
+                                                 {**meta, "group": group} if groupwise else meta)
+            if groupwise:
+                judge_stats.update({f"{name}/{k}": float(v) for k, v in (getattr(model, "last_stats", None)
+                                                                          or {}).items()})
             main = values["reward"]
             broken = valid & ~torch.isfinite(main)
             n_broken = int(broken.sum())
@@ -655,7 +675,7 @@ class RewardManager:
         for mask in reward_valid.values():
             valid_all &= mask
         weights = self.weights
-        stats: dict[str, float] = {}
+        stats: dict[str, float] = dict(judge_stats)
         total = torch.zeros(n, dtype=torch.float64)
         for name, spec in zip(self.names, self.specs):
             r = torch.where(valid_all, rewards[name].double(), torch.zeros(n, dtype=torch.float64))
