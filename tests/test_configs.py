@@ -22,6 +22,8 @@ FAMILY_CONFIGS = {
 }
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")
                  if p.parent.name != "arena")  # arena configs: tests/test_arena.py
+# run settings without a model (configs/base/): parsed as the base of the configs composed after them
+BASES = [p for p in CONFIGS if p.startswith("configs/base/")]
 
 
 def _composed_on(path: str) -> str | None:
@@ -42,6 +44,8 @@ def test_composed_configs_name_a_base_that_exists():
     assert all((ROOT / b).is_file() for b in bases.values() if b), bases
     assert bases["configs/stream_r1/shapes.yaml"] == "configs/dmd/shapes.yaml"
     assert bases["configs/tiny/dmd.yaml"] == "configs/dmd/shapes.yaml" and bases["configs/quickstart.yaml"] is None
+    # every model-free base is the base of some config (so it is parsed)
+    assert all(any(b == base for b in bases.values()) for base in BASES), BASES
 
 
 def _cli(args: list[str], run: bool) -> GenRLCLI:
@@ -51,7 +55,7 @@ def _cli(args: list[str], run: bool) -> GenRLCLI:
     return GenRLCLI(args=(["fit"] if run else []) + args, run=run)
 
 
-@pytest.mark.parametrize("path", CONFIGS)
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p not in BASES])
 def test_every_config_parses(path, tmp_path, monkeypatch):
     """Every shipped config builds its model and data, on the config it says it is composed after (if any)."""
     monkeypatch.chdir(tmp_path)
@@ -85,10 +89,15 @@ SOL_RL_CONFIGS = {
 }
 
 
+PREFERENCE_CONFIGS = {"dpo": {"sd3": "configs/dpo/sd3.5_medium.yaml"},
+                      "dgpo": {"sd3": "configs/dgpo/sd3.5_medium.yaml"}}
+
+
 @pytest.mark.parametrize("method,family", [("grpo", f) for f in sorted(FAMILY_CONFIGS)]
                          + [("branch_grpo", f) for f in sorted(BRANCH_CONFIGS)]
                          + [("ram", f) for f in sorted(RAM_CONFIGS)]
-                         + [("sol_rl", f) for f in sorted(SOL_RL_CONFIGS)])
+                         + [("sol_rl", f) for f in sorted(SOL_RL_CONFIGS)]
+                         + [(m, f) for m in sorted(PREFERENCE_CONFIGS) for f in sorted(PREFERENCE_CONFIGS[m])])
 def test_family_config_trains_on_tiny_components(method, family, tmp_path, monkeypatch):
     from genrl.testing.families import tiny_generator_spec
 
@@ -119,9 +128,14 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
         override["model"]["init_args"].update(rollout={"num_steps": 3, "micro_batch_size": 2}, num_draws=2,
                                               micro_batch_size=2)
         del override["model"]["init_args"]["mini_batch_size"]
+    if method in PREFERENCE_CONFIGS:  # endpoints only; DPO: 2 draws per pair; DGPO: 2 sigmas of the 3-step grid
+        override["model"]["init_args"].update(rollout={"num_steps": 3, "micro_batch_size": 2}, micro_batch_size=2,
+                                              **({"num_draws": 2} if method == "dpo" else
+                                                 {"num_timesteps": 2, "trunc_steps": None}))
+        del override["model"]["init_args"]["mini_batch_size"]
     (tmp_path / "tiny.yaml").write_text(json.dumps(override))  # JSON is YAML
     config = {"grpo": FAMILY_CONFIGS, "branch_grpo": BRANCH_CONFIGS, "ram": RAM_CONFIGS,
-              "sol_rl": SOL_RL_CONFIGS}[method][family]
+              "sol_rl": SOL_RL_CONFIGS, **PREFERENCE_CONFIGS}[method][family]
     args = ["--config", str(ROOT / config), "--config", str(tmp_path / "tiny.yaml")]
     cli = _cli(args, run=False)
     cli.model.configure_model()

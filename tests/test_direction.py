@@ -29,6 +29,10 @@ _TINY_DIT = ["--model.init_args.generator.components={}", "--model.init_args.rew
              "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
              "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]"]
 
+#: a 3-step ODE group sampler, 2 prompts x 4 per iteration (the methods composed after configs/base/shapes.yaml)
+_TINY_ENDPOINTS = ["--model.init_args.rollout.num_steps=3", "--model.init_args.rollout.micro_batch_size=8",
+                   "--data.init_args.prompts_per_batch=2", "--data.init_args.group_size=4"]
+
 #: method -> (configs composed left to right, extra overrides, optimizer steps)
 CASES = {
     "grpo": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml"],
@@ -43,6 +47,11 @@ CASES = {
             ["--model.init_args.optimizer.init_args.lr=0.003"], 4),
     "awm": (["configs/ram/shapes.yaml", "configs/ram/awm_shapes.yaml", "configs/tiny/ram.yaml"],
             ["--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    "dgpo": (["configs/base/shapes.yaml", "configs/dgpo/shapes.yaml"], _TINY_ENDPOINTS
+             + ["--model.init_args.trunc_steps=null", "--model.init_args.num_timesteps=2",
+                "--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    "dpo": (["configs/base/shapes.yaml", "configs/dpo/shapes.yaml"], _TINY_ENDPOINTS
+            + ["--model.init_args.beta=1000", "--model.init_args.optimizer.init_args.lr=0.003"], 4),
     "rwr": (["configs/rwr/shapes.yaml", "configs/tiny/rwr.yaml"],
             ["--model.init_args.beta=3.0", "--model.init_args.optimizer.init_args.lr=0.003"], 4),
 }

@@ -2,7 +2,9 @@
 
 from genrl.methods.afd import AFD
 from genrl.methods.branch_grpo import BranchGRPO
+from genrl.methods.dgpo import DGPO
 from genrl.methods.dmd import DMD
+from genrl.methods.dpo import DPO
 from genrl.methods.grpo import GRPO
 from genrl.methods.ode_init import ODEInit
 from genrl.methods.pretrain import FlowMatchingPretrain
@@ -15,5 +17,6 @@ from genrl.methods.tmd import TMD
 from genrl.models.lora import LoraSpec  # re-exported: configs and user code name genrl.methods.LoraSpec
 from genrl.models.quantized import RolloutPrecision  # re-exported with PreviewConfig (Sol-RL)
 
-__all__ = ["AFD", "BranchGRPO", "DMD", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit", "PreviewConfig", "RAM",
-           "RewardWeightedRegression", "RolloutPrecision", "StreamR1Weighting", "TMD", "TempAct"]
+__all__ = ["AFD", "BranchGRPO", "DGPO", "DMD", "DPO", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit",
+           "PreviewConfig", "RAM", "RewardWeightedRegression", "RolloutPrecision", "StreamR1Weighting", "TMD",
+           "TempAct"]

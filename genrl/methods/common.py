@@ -23,9 +23,9 @@ from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "backward_step", "build_policy", "build_student",
            "check_finite", "check_no_dropout", "clip_and_step", "configure_policy", "configure_policy_optimizer",
-           "default_latent_shape", "frame_shape_of", "gather_batch", "linear_warmup", "local_mini_batch",
-           "log_validation_rewards", "ode_validation_config", "policy_optimizer", "policy_spec", "rank_slice",
-           "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
+           "default_latent_shape", "frame_shape_of", "gather_batch", "gather_objects", "linear_warmup",
+           "local_mini_batch", "log_validation_rewards", "ode_validation_config", "policy_optimizer", "policy_spec",
+           "rank_slice", "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
 
 
 #: the default policy of the shapes-world methods: the shipped base model (genrl's DiT).
@@ -178,6 +178,21 @@ def gather_batch(module: LightningModule, t: torch.Tensor) -> torch.Tensor:
     if copies > 1:
         gathered = gathered.reshape(world, copies, *t.shape)[:, 0]
     return gathered.reshape(-1, *t.shape[1:]).cpu()
+
+
+def gather_objects(module: LightningModule, items: list) -> list:
+    """``items`` (picklable, e.g. prompts) of this rank -> the global batch's list in data-parallel rank order
+    (``torch.distributed.all_gather_object``); unchanged on one slice. Under context parallelism one copy of each
+    group's rows is kept, as :func:`gather_batch` does."""
+    _, world = world_of(module)
+    if world == 1:
+        return list(items)
+    import torch.distributed as dist
+
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(items))
+    copies = len(out) // world
+    return [x for part in out[::copies] for x in part]
 
 
 def local_mini_batch(module: LightningModule, mini_batch_size: int | None, local: int) -> int:

@@ -28,10 +28,12 @@ from lightning.pytorch import LightningModule
 from genrl.flow.forward_rl import sample_timesteps
 from genrl.flow.parameterization import add_noise
 from genrl.flow.policy import group_advantages, group_stats
+from genrl.flow.selection import best_worst_pairs
 from genrl.methods.common import (
     Scorer,
     clip_and_step,
     gather_batch,
+    gather_objects,
     log_validation_rewards,
     rank_slice,
     trainer_of,
@@ -41,9 +43,9 @@ from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
-__all__ = ["Rollouts", "Scores", "caption_dropout", "collect_endpoints", "collect_flat", "collect_tree",
-           "flat_validation", "flat_validation_step", "group_advantages_of", "optimizer_steps", "renoise",
-           "reward_spread", "role_velocity", "score", "update_plan", "video_batch"]
+__all__ = ["Pairs", "Rollouts", "Scores", "best_worst_pairs_of", "caption_dropout", "collect_endpoints",
+           "collect_flat", "collect_tree", "flat_validation", "flat_validation_step", "group_advantages_of",
+           "optimizer_steps", "renoise", "reward_spread", "role_velocity", "score", "update_plan", "video_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +209,66 @@ def group_advantages_of(module: LightningModule, scores: Scores, std: Literal["g
     return rank_slice(module, adv_all, scores.local)
 
 
+@dataclass
+class Pairs:
+    """Output of :func:`best_worst_pairs_of`: this rank's share of the global batch's (chosen, rejected) pairs.
+
+    Attributes:
+        chosen / rejected: clean endpoints [p, *latent] of the higher / lower rewarded member (on the CPU).
+        prompts: the pairs' prompt (p).
+        keys: int64 [p], the pair's group id: the address of the noise both members share.
+        weight: float32 [p], 1 for a real pair, 0 for a padding slot (a copy of a real pair, so every rank runs the
+            same backward passes; its loss is multiplied by 0).
+        margin: float32 [p], reward(chosen) - reward(rejected) (0 on padding).
+        count: real pairs in the global batch (the loss is a mean over them).
+    """
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    prompts: list[str]
+    keys: torch.Tensor
+    weight: torch.Tensor
+    margin: torch.Tensor
+    count: int
+
+
+def best_worst_pairs_of(module: LightningModule, scores: Scores, x0: torch.Tensor, prompts: list[str],
+                        tie: Literal["skip", "arbitrary"] = "skip") -> Pairs:
+    """The pair phase of online preference methods (online Diffusion-DPO): one (best, worst) pair per group of the
+    gathered batch (:func:`genrl.flow.selection.best_worst_pairs`: failed rewards never paired, the stated tie rule,
+    ``tie="skip"`` drops all-equal groups), dealt round-robin to the ranks (pair j to rank j mod W). Groups may span
+    ranks: the endpoints and prompts are gathered first. Every rank gets ceil(P / W) slots (padding with weight 0),
+    so all ranks run the same backward passes. Logs ``pairs/count`` (real pairs per global batch), ``pairs/tied``
+    (groups dropped as all-equal or with < 2 valid rewards) and ``pairs/reward_margin``.
+
+    Args:
+        scores: the score phase's output (its gathered totals, validity and groups).
+        x0: this rank's clean endpoints [B, *latent]; prompts: their prompts (B).
+    Returns:
+        :class:`Pairs` (``count`` 0 and no slot when no group gives a pair).
+    """
+    if scores.group is None:
+        raise ValueError("pairs need the samples' group ids (batch['group'])")
+    rank, world = world_of(module)
+    chosen, rejected = best_worst_pairs(scores.total, scores.group, scores.valid, tie=tie)
+    count, groups = len(chosen), len(torch.unique(scores.group))
+    bs = len(prompts)
+    module.log("pairs/count", float(count), batch_size=bs)
+    module.log("pairs/tied", float(groups - count), batch_size=bs)
+    margin = (scores.total[chosen] - scores.total[rejected]).float()
+    module.log("pairs/reward_margin", float(margin.mean()) if count else 0.0, batch_size=bs)
+    if count == 0:
+        empty = x0[:0].cpu()
+        return Pairs(empty, empty, [], torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0), 0)
+    all_x0, all_prompts = gather_batch(module, x0.detach()).cpu(), gather_objects(module, list(prompts))
+    slots = torch.arange(rank, -(-count // world) * world, world)
+    weight = (slots < count).float()
+    slots = torch.where(slots < count, slots, torch.zeros_like(slots))
+    c, r = chosen[slots], rejected[slots]
+    return Pairs(all_x0[c], all_x0[r], [all_prompts[int(i)] for i in c], scores.group[c].long(), weight,
+                 margin[slots] * weight, count)
+
+
 @torch.no_grad()
 def flat_validation(module: LightningModule, scorer: Scorer, batch: dict, config: RolloutConfig,
                     latent_shape, seed: int) -> dict:
@@ -267,7 +329,8 @@ def update_plan(seed: int, iteration: int, n: int, mini_batch: int, inner_epochs
 
 
 def renoise(x0: torch.Tensor, keys: torch.Tensor, seed: int, iteration: int, draw: int, t_stream: int,
-            eps_stream: int, frame_dim: int = 1, **timestep_args: Any) -> tuple[torch.Tensor, ...]:
+            eps_stream: int, frame_dim: int = 1, t: torch.Tensor | None = None,
+            **timestep_args: Any) -> tuple[torch.Tensor, ...]:
     """Draw ``draw`` of the forward process on clean endpoints (the regression step of forward-process RL and of the
     DSM-error preference objectives: RAM, DPO, DGPO, CRD): t ~ p(t) (:func:`genrl.flow.forward_rl.sample_timesteps`,
     ``timestep_args`` its density options), eps ~ N(0, I), x_t = (1 - t) x0 + t eps and the velocity target
@@ -279,11 +342,13 @@ def renoise(x0: torch.Tensor, keys: torch.Tensor, seed: int, iteration: int, dra
         x0: clean endpoints [B, *latent] (any float dtype; t and eps come out on its device).
         keys: int64 [B] noise addresses.
         t_stream / eps_stream: the method's stream numbers for t and eps (distinct per method and per use).
+        t: given noise levels float [B] (e.g. a rollout grid value shared by the batch, DGPO) instead of a draw.
     Returns:
         ``(t float32 [B], eps [B, *latent], x_t [B, *latent], u [B, *latent])``.
     """
-    t = sample_timesteps(len(keys), mix_seed(seed, iteration, t_stream), keys, step=draw,
-                         **timestep_args).to(x0.device)
+    if t is None:
+        t = sample_timesteps(len(keys), mix_seed(seed, iteration, t_stream), keys, step=draw, **timestep_args)
+    t = t.to(x0.device)
     eps = randn_per_sample(x0.shape[1:], mix_seed(seed, iteration, eps_stream), keys, step=draw, device=x0.device)
     return t, eps, add_noise(x0, eps, t, frame_dim=frame_dim), eps - x0
 
