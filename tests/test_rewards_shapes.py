@@ -243,7 +243,7 @@ def brightness_registered():
 
     register_reward("_test_brightness")(_Brightness)
     yield
-    registry._REGISTRY.pop("_test_brightness", None)  # keep the global registry clean for other tests
+    registry.REWARDS.classes.pop("_test_brightness", None)  # keep the global registry clean for other tests
 
 
 def test_protocol_with_a_differentiable_reward(brightness_registered):

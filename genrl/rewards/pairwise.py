@@ -37,14 +37,14 @@ import itertools
 import logging
 import math
 import re
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from genrl.rewards.base import RewardModel
-from genrl.rewards.registry import register_reward
+from genrl.rewards.registry import Registry, register_reward
 from genrl.rewards.remote import RemoteReward
 
 __all__ = [
@@ -133,10 +133,6 @@ class ScoreJudge(PairwiseJudge):
         return f"tolerance={self.tolerance}"
 
 
-_JUDGES: dict[str, type[PairwiseJudge]] = {}
-J = TypeVar("J", bound=type[PairwiseJudge])
-
-
 class UnknownJudgeError(KeyError, ValueError):
     """An unregistered judge name (a KeyError and a ValueError); the message lists the registered judges."""
 
@@ -144,31 +140,11 @@ class UnknownJudgeError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def register_judge(name: str) -> Callable[[J], J]:
-    """Class decorator registering a :class:`PairwiseJudge` subclass under ``name`` (and setting ``cls.name``).
-
-    Raises:
-        ValueError: an empty name, or one taken by another class. TypeError: not a PairwiseJudge subclass.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a judge name must be a non-empty string, got {name!r}")
-
-    def deco(cls: J) -> J:
-        if not (isinstance(cls, type) and issubclass(cls, PairwiseJudge)):
-            raise TypeError(f"@register_judge({name!r}) needs a PairwiseJudge subclass, got {cls!r}")
-        old = _JUDGES.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"judge name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
-        cls.name = name
-        _JUDGES[name] = cls
-        return cls
-
-    return deco
-
-
-def available_judges() -> list[str]:
-    """Sorted registered judge names."""
-    return sorted(_JUDGES)
+JUDGES = Registry("judge", PairwiseJudge, UnknownJudgeError)
+#: ``@register_judge(name)``: register a :class:`PairwiseJudge` subclass (``Registry.register``).
+register_judge = JUDGES.register
+#: sorted registered judge names.
+available_judges = JUDGES.names
 
 
 def build_judge(name: str, world: Any = None, **kwargs: Any) -> PairwiseJudge:
@@ -179,11 +155,7 @@ def build_judge(name: str, world: Any = None, **kwargs: Any) -> PairwiseJudge:
         UnknownJudgeError (KeyError, ValueError): unknown name, listing the registered judges.
         TypeError, ValueError: from the judge's constructor.
     """
-    try:
-        cls = _JUDGES[name]
-    except KeyError:
-        raise UnknownJudgeError(f"unknown judge {name!r}; registered judges: "
-                                f"{', '.join(available_judges()) or '(none)'}") from None
+    cls = JUDGES.get(name)
     if world is not None and "world" in inspect.signature(cls.__init__).parameters and "world" not in kwargs:
         kwargs["world"] = world
     return cls(**kwargs)

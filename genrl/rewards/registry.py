@@ -16,11 +16,63 @@ from typing import Any, TypeVar
 
 from genrl.rewards.base import RewardModel
 
-__all__ = ["register_reward", "build_reward", "available_rewards", "get_reward_class", "RewardSpec",
-           "UnknownRewardError"]
+__all__ = ["REWARDS", "Registry", "register_reward", "build_reward", "available_rewards", "get_reward_class",
+           "RewardSpec", "UnknownRewardError"]
 
-_REGISTRY: dict[str, type[RewardModel]] = {}
-R = TypeVar("R", bound=type[RewardModel])
+class Registry:
+    """Names -> classes of one kind (rewards, pairwise judges), filled by a class decorator.
+
+    Args:
+        kind: what is registered, as messages name it (``"reward"``, ``"judge"``).
+        base: the class every registered class must subclass.
+        error: the exception type of an unknown name (a KeyError and ValueError subclass).
+    """
+
+    def __init__(self, kind: str, base: type, error: type[KeyError]) -> None:
+        self.kind, self.base, self.error = kind, base, error
+        self.classes: dict[str, type] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Class decorator registering a ``base`` subclass under ``name`` (and setting ``cls.name``).
+
+        Raises:
+            TypeError: the decorated object is not a ``base`` subclass.
+            ValueError: an empty name, or ``name`` already taken by another class.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+
+        def deco(cls: T) -> T:
+            if not (isinstance(cls, type) and issubclass(cls, self.base)):
+                raise TypeError(f"@register_{self.kind}({name!r}) needs a {self.base.__name__} subclass, got {cls!r}")
+            old = self.classes.get(name)
+            if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ValueError(f"{self.kind} name {name!r} is already registered by {old.__module__}."
+                                 f"{old.__qualname__}")
+            cls.name = name
+            self.classes[name] = cls
+            return cls
+
+        return deco
+
+    def names(self) -> list[str]:
+        """Sorted registered names."""
+        return sorted(self.classes)
+
+    def get(self, name: str) -> type:
+        """The class registered as ``name``.
+
+        Raises:
+            ``error`` (a KeyError and ValueError): unknown name; the message lists the registered names.
+        """
+        try:
+            return self.classes[name]
+        except KeyError:
+            raise self.error(f"unknown {self.kind} {name!r}; registered {self.kind}s: "
+                             f"{', '.join(self.names()) or '(none)'}") from None
+
+
+T = TypeVar("T", bound=type)
 
 
 class UnknownRewardError(KeyError, ValueError):
@@ -30,46 +82,13 @@ class UnknownRewardError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def register_reward(name: str) -> Callable[[R], R]:
-    """Class decorator registering a :class:`RewardModel` subclass under ``name`` (and setting ``cls.name``).
-
-    Raises:
-        TypeError: the decorated object is not a RewardModel subclass.
-        ValueError: an empty name, or ``name`` already taken by another class.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a reward name must be a non-empty string, got {name!r}")
-
-    def deco(cls: R) -> R:
-        if not (isinstance(cls, type) and issubclass(cls, RewardModel)):
-            raise TypeError(f"@register_reward({name!r}) needs a RewardModel subclass, got {cls!r}")
-        old = _REGISTRY.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"reward name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def available_rewards() -> list[str]:
-    """Sorted registered reward names."""
-    return sorted(_REGISTRY)
-
-
-def get_reward_class(name: str) -> type[RewardModel]:
-    """The class registered as ``name``.
-
-    Raises:
-        UnknownRewardError (a KeyError and ValueError): unknown name; the message lists the registered names.
-    """
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnknownRewardError(
-            f"unknown reward {name!r}; registered rewards: {', '.join(available_rewards()) or '(none)'}"
-        ) from None
+REWARDS = Registry("reward", RewardModel, UnknownRewardError)
+#: ``@register_reward(name)``: register a :class:`RewardModel` subclass (:meth:`Registry.register`).
+register_reward = REWARDS.register
+#: sorted registered reward names.
+available_rewards = REWARDS.names
+#: the class registered as a name; UnknownRewardError listing the registered ones for an unknown name.
+get_reward_class = REWARDS.get
 
 
 def build_reward(name: str, path: str | None = None, **kwargs: Any) -> RewardModel:
