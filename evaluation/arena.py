@@ -210,14 +210,15 @@ def method_of(entrant: Entrant) -> str:
     return str(value) if found else ""
 
 
-def _method_exists(class_path: str) -> bool:
+def _method_problem(class_path: str) -> str | None:
+    """None when ``class_path`` (or a bare name in genrl.methods) names an importable class, else what is wrong:
+    the module's import error (so a broken install is not reported as an unknown method) or the missing name."""
     module, _, name = class_path.rpartition(".")
     try:
-        if not module:
-            return hasattr(importlib.import_module("genrl.methods"), name)
-        return hasattr(importlib.import_module(module), name)
-    except ImportError:
-        return False
+        found = hasattr(importlib.import_module(module or "genrl.methods"), name)
+    except ImportError as err:
+        return f"cannot import {module or 'genrl.methods'!r} ({type(err).__name__}: {err})"
+    return None if found else f"unknown method {class_path!r}"
 
 
 def check_arena(arena: Arena) -> None:
@@ -238,10 +239,9 @@ def check_arena(arena: Arena) -> None:
             if not _resolve(f).is_file():
                 raise ArenaConfigError(f"entrant {e.name!r}: config {f!r} not found")
         method = method_of(e)
-        if not method or not _method_exists(method):
-            raise ArenaConfigError(f"entrant {e.name!r}: unknown method {method or '(none)'!r}; use a genrl.methods "
-                                   "class (GRPO, BranchGRPO, RAM, RewardWeightedRegression, ODEInit, DMD, TMD, AFD, "
-                                   "...) in model.class_path")
+        if problem := _method_problem(method) if method else "no model.class_path":
+            raise ArenaConfigError(f"entrant {e.name!r}: {problem}; use a genrl.methods class (GRPO, BranchGRPO, "
+                                   "RAM, RewardWeightedRegression, ODEInit, DMD, TMD, AFD, ...) in model.class_path")
         cfg = entrant_config(e)
         for key in arena.start_keys:
             flag = any(f.startswith(f"--{key}=") for f in e.flags)

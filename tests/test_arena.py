@@ -69,6 +69,8 @@ def test_a_good_config_parses_with_one_line_per_entrant(tmp_path):
 @pytest.mark.parametrize("over, words", [
     ({"entrants": {"mystery": "configs/quickstart.yaml --model.class_path=genrl.methods.NoSuchMethod"}},
      ["'mystery'", "unknown method", "NoSuchMethod"]),
+    ({"entrants": {"broken": "configs/quickstart.yaml --model.class_path=no_such_package.Method"}},
+     ["'broken'", "cannot import 'no_such_package'", "ModuleNotFoundError"]),
     ({"entrants": {"lost": "configs/nope.yaml"}}, ["'lost'", "configs/nope.yaml", "not found"]),
     ({"start": {"path": "assets/no-such-model"}}, ["assets/no-such-model", "does not exist"]),
     ({"start": {"path": str(ROOT / "assets/shapes-dit"), "keys": ["model.init_args.student.pretrained"]}},
