@@ -2,6 +2,7 @@
 
 from genrl.data.ode_pairs import ODEPairs, ODEPairsDataModule, load_ode_pairs, save_ode_pairs
 from genrl.data.online_teacher import OnlineTeacherSpec, ShapesRendererTeacher, TeacherCache
+from genrl.data.preference_pairs import PreferencePairDataModule, load_pair_set
 from genrl.data.prompts import PromptDataModule, PromptRecord, load_prompts
 from genrl.data.shapes import ShapeSpec, ShapesWorldConfig
 from genrl.data.shapes_datamodule import ShapesDataModule, data_parallel_of, local_batch_size
@@ -31,6 +32,8 @@ __all__ = [
     "probe_video",
     "read_video",
     "write_video",
+    "PreferencePairDataModule",
+    "load_pair_set",
     "PromptDataModule",
     "PromptRecord",
     "load_prompts",

@@ -1,24 +1,27 @@
-"""Online Diffusion-DPO for flow-matching generators: preference pairs from the policy's own groups.
+"""Diffusion-DPO for flow-matching generators, online (pairs from the policy's own groups) and offline (pairs from a
+dataset or a folder of scored videos).
 
-Each iteration: sample a group of G clean endpoints per prompt (the deterministic ODE, or an SDE kernel for more
-diverse groups), score them, and keep one (best, worst) pair per group (:func:`~genrl.methods.phases.
-best_worst_pairs_of`: failed rewards never paired, all-equal groups skipped by default). Each pair is re-noised
-``num_draws`` times at a sigma and noise shared by its two members (sigma ~ logit-normal(0, 1), as every flow
-codebase draws it), and the policy's and the reference's flow-matching errors enter the DPO loss (Wallace et al.
-2024, "Diffusion Model Alignment Using Direct Preference Optimization", eq. 14, in the flow form of
-:func:`genrl.flow.preference.dpo_loss`):
+Online, each iteration samples a group of G clean endpoints per prompt (the deterministic ODE, or an SDE kernel for
+more diverse groups), scores them, and keeps one (best, worst) pair per group (:func:`~genrl.methods.phases.
+best_worst_pairs_of`: failed rewards never paired, all-equal groups skipped by default). Offline, a batch of
+:class:`genrl.data.preference_pairs.PreferencePairDataModule` brings the pairs' pixels, which the generator encodes
+(Wallace et al.'s setting: Pick-a-Pic pairs, no sampling). Either way each pair is re-noised ``num_draws`` times at a
+sigma and noise shared by its two members (sigma ~ logit-normal(0, 1), as every flow codebase draws it), and the
+policy's and the reference's flow-matching errors enter the DPO loss (Wallace et al. 2024, "Diffusion Model
+Alignment Using Direct Preference Optimization", eq. 14, in the flow form of :func:`genrl.flow.preference.dpo_loss`):
 
     z = -(beta / 2) [(e_theta(x_w) - e_ref(x_w)) - (e_theta(x_l) - e_ref(x_l))],   L = -log sigmoid(z).
 
-The reference is the frozen base (``reference_update_every: null``; the LoRA-disabled model under LoRA), or a
-copy of the policy refreshed every N iterations (flow_grpo's "OnlineDPO"); ``rollout_policy: reference`` samples
-the groups with the reference instead of the live policy (flow_grpo's DPO). No reward scale enters the loss: only
-the order within a group does. Randomness is addressed by (seed, iteration, group, draw), so resume equals an
-uninterrupted run.
+Both paths run the same update (:meth:`DPO.update`). The reference is the frozen base (``reference_update_every:
+null``; the LoRA-disabled model under LoRA), or a copy of the policy refreshed every N iterations (flow_grpo's
+"OnlineDPO"); online, ``rollout_policy: reference`` samples the groups with the reference instead of the live policy
+(flow_grpo's DPO). No reward scale enters the loss: only the order within a group does. Randomness is addressed by
+(seed, iteration, pair key, draw), so resume equals an uninterrupted run.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -36,6 +39,7 @@ from genrl.methods.common import (
     world_of,
 )
 from genrl.methods.phases import (
+    Pairs,
     best_worst_pairs_of,
     collect_endpoints,
     flat_validation_step,
@@ -43,6 +47,7 @@ from genrl.methods.phases import (
     renoise,
     role_velocity,
     score,
+    video_batch,
 )
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
@@ -54,16 +59,20 @@ _STREAM_T, _STREAM_EPS = 51, 52
 
 
 class DPO(LightningModule):
-    """Online Diffusion-DPO / Flow-DPO (see the module docstring) on any Generator.
+    """Diffusion-DPO / Flow-DPO, online and offline (see the module docstring), on any Generator.
 
-    Training batches come from :class:`genrl.data.PromptDataModule` (``group_size`` G >= 2):
-    ``{"prompts": list[str] (P*G), "index": int64 [P*G], "group": int64 [P*G]}``. Validation samples the live policy
-    with ``eval_rollout`` and scores it with the same rewards.
+    Training batches decide the path. Online: :class:`genrl.data.PromptDataModule` (``group_size`` G >= 2),
+    ``{"prompts": list[str] (P*G), "index": int64 [P*G], "group": int64 [P*G]}``. Offline:
+    :class:`genrl.data.preference_pairs.PreferencePairDataModule`, ``{"prompts": list[str] (B), "chosen" / "rejected":
+    float [B, T, C, H, W] in [0, 1], "index": int64 [B] global pair ids}``; ``rollout``, ``rollout_policy`` and
+    ``tie`` then do not apply and ``rewards`` only score validation. Validation (both paths) samples the live policy
+    with ``eval_rollout`` on the data module's validation prompts and scores it with ``rewards``.
 
     Args:
         generator / latent_shape / lora: the policy, as in :class:`~genrl.methods.grpo.GRPO`.
         rollout: the group sampler (any kernel; the endpoints alone are kept).
-        rewards / reward_combine: pointwise reward specs; only their order within a group matters.
+        rewards / reward_combine: pointwise reward specs; only their order within a group matters (offline: the
+            validation rewards).
         beta: the DPO temperature beta > 0 in the codebases' convention (beta / 2, errors averaged over elements;
             flow_grpo 100, Flow-Factory / verl-omni 2000, Diffusion-DPO's SD models 5000). The paper's beta is
             2 beta / (T omega(lambda)) of this one.
@@ -169,13 +178,44 @@ class DPO(LightningModule):
         return loss, stats
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
+        """One iteration: the batch's pairs (offline, when it has ``"chosen"`` / ``"rejected"``) or the policy's own
+        groups' (online), then :meth:`update` on them."""
+        if "chosen" in batch:
+            self.update(self.dataset_pairs(batch), len(batch["prompts"]))
+            return
         h, gen, it = self.hparams, self.generator, int(self.iteration)
         prompts, index, group = list(batch["prompts"]), batch["index"].cpu(), batch["group"].cpu()
         ro = collect_endpoints(gen, prompts, self.latent_shape, h.seed, index, self.rollout_config, it,
                                policy=self._sampler())
         scores = score(self, self.scorer, ro, group, iteration=it)
-        pairs = best_worst_pairs_of(self, scores, ro.samples, prompts, tie=h.tie)
-        n, p = len(prompts), len(pairs.keys)
+        self.update(best_worst_pairs_of(self, scores, ro.samples, prompts, tie=h.tie), len(prompts))
+
+    def dataset_pairs(self, batch: dict) -> Pairs:
+        """The pairs of an offline batch (:class:`genrl.data.preference_pairs.PreferencePairDataModule`): both members
+        encoded by the generator without gradient (``x0 = generator.encode(pixels)``, :func:`~genrl.methods.phases.
+        video_batch`), weight 1, keys the batch's global pair-slot ids (``index``), margin the batch's (NaN when it
+        has none), count B x data-parallel world size (every rank holds B pairs). Logs ``pairs/count``.
+
+        Raises:
+            ValueError: ``chosen`` / ``rejected`` not [B, T, C, H, W] (names the shape), or of different shapes.
+        """
+        if batch["chosen"].shape != batch["rejected"].shape:
+            raise ValueError(f"batch['chosen'] {tuple(batch['chosen'].shape)} and batch['rejected'] "
+                             f"{tuple(batch['rejected'].shape)} must have one shape [B, T, C, H, W]")
+        members = [video_batch(self, {**batch, "pixels": batch[k]}) for k in ("chosen", "rejected")]
+        (x_w, prompts, keys), (x_l, _, _) = members
+        count = len(prompts) * world_of(self)[1]
+        self.log("pairs/count", float(count), batch_size=len(prompts))
+        margin = batch.get("margin", torch.full((len(prompts),), math.nan)).float().cpu()
+        return Pairs(x_w, x_l, prompts, keys, torch.ones(len(prompts)), margin, count)
+
+    def update(self, pairs: Pairs, n: int) -> None:
+        """The DPO update on this rank's ``pairs`` (either path): ``updates_per_iteration`` optimizer steps, each over
+        ``num_draws / updates_per_iteration`` draws x the micro-batches of pairs, the loss a mean over the global
+        batch's ``pairs.count`` real pairs; then the reference refresh and the iteration counter (``n``: the local
+        batch size, for logging)."""
+        h, gen, it = self.hparams, self.generator, int(self.iteration)
+        p = len(pairs.keys)
         # a mean over the global batch's real pairs: ranks' gradients are averaged, so each rank scales by W. No pair
         # anywhere (all groups tied): the same optimizer steps with no gradient, which leave weights and state as
         # they are (torch optimizers skip parameters without a gradient) while the step count advances.
