@@ -90,7 +90,8 @@ SOL_RL_CONFIGS = {
 
 
 PREFERENCE_CONFIGS = {"dpo": {"sd3": "configs/dpo/sd3.5_medium.yaml"},
-                      "dgpo": {"sd3": "configs/dgpo/sd3.5_medium.yaml"}}
+                      "dgpo": {"sd3": "configs/dgpo/sd3.5_medium.yaml"},
+                      "crd": {"sd3": "configs/crd/sd3.5_medium.yaml"}}
 
 
 @pytest.mark.parametrize("method,family", [("grpo", f) for f in sorted(FAMILY_CONFIGS)]
@@ -128,7 +129,7 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
         override["model"]["init_args"].update(rollout={"num_steps": 3, "micro_batch_size": 2}, num_draws=2,
                                               micro_batch_size=2)
         del override["model"]["init_args"]["mini_batch_size"]
-    if method in PREFERENCE_CONFIGS:  # endpoints only; DPO: 2 draws per pair; DGPO: 2 sigmas of the 3-step grid
+    if method in PREFERENCE_CONFIGS:  # endpoints only; DPO: 2 draws per pair; DGPO, CRD: 2 sigmas of the 3-step grid
         override["model"]["init_args"].update(rollout={"num_steps": 3, "micro_batch_size": 2}, micro_batch_size=2,
                                               **({"num_draws": 2} if method == "dpo" else
                                                  {"num_timesteps": 2, "trunc_steps": None}))

@@ -50,6 +50,9 @@ CASES = {
     "dgpo": (["configs/base/shapes.yaml", "configs/dgpo/shapes.yaml"], _TINY_ENDPOINTS
              + ["--model.init_args.trunc_steps=null", "--model.init_args.num_timesteps=2",
                 "--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    "crd": (["configs/base/shapes.yaml", "configs/crd/shapes.yaml"], _TINY_ENDPOINTS
+            + ["--model.init_args.num_timesteps=2", "--model.init_args.updates_per_iteration=1",
+               "--model.init_args.optimizer.init_args.lr=0.003"], 4),
     "dpo": (["configs/base/shapes.yaml", "configs/dpo/shapes.yaml"], _TINY_ENDPOINTS
             + ["--model.init_args.beta=1000", "--model.init_args.optimizer.init_args.lr=0.003"], 4),
     "rwr": (["configs/rwr/shapes.yaml", "configs/tiny/rwr.yaml"],

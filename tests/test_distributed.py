@@ -44,13 +44,24 @@ RECIPES = {
     "pretrain": ["configs/pretrain/shapes.yaml", "configs/tiny/pretrain.yaml"],
     "afd": ["configs/afd/shapes.yaml", "configs/tiny/afd.yaml"],
     "ode_init": ["configs/ode_init/shapes.yaml"],
+    "dpo": ["configs/base/shapes.yaml", "configs/dpo/shapes.yaml"],
+    "dgpo": ["configs/base/shapes.yaml", "configs/dgpo/shapes.yaml"],
 }
+#: 3 groups of 4 over 2 ranks (6 samples each): the middle group spans the ranks; DPO's 3 pairs give rank 1 a
+#: padding slot; DGPO's group logits gather that group's members from both ranks
+_PREFERENCE = ["--model.init_args.rollout.num_steps=3", "--model.init_args.rollout.micro_batch_size=8",
+               "--data.init_args.prompts_per_batch=3", "--data.init_args.group_size=4",
+               "--model.init_args.rewards=[{name: shapes}, {name: colorfulness}]",
+               "--model.init_args.optimizer.init_args.lr=0.003"]
 EXTRA = {  # a reward with signal on a random tiny policy (colorfulness) and tiny trees for BranchGRPO
     "branch_grpo": ["--model.init_args.rollout.num_steps=4", "--model.init_args.tree.split_steps=[0,2]",
                     "--model.init_args.rollout.micro_batch_size=8",
                     "--model.init_args.rewards=[{name: shapes}, {name: colorfulness}]",
                     "--model.init_args.optimizer.init_args.lr=0.003"],
     "ram": ["--model.init_args.rewards=[{name: shapes}, {name: colorfulness}]"],
+    "dpo": _PREFERENCE + ["--model.init_args.num_draws=2", "--model.init_args.micro_batch_size=1"],
+    "dgpo": _PREFERENCE + ["--model.init_args.num_timesteps=2", "--model.init_args.trunc_steps=null",
+                           "--model.init_args.micro_batch_size=4"],
 }
 #: parameters after 3 optimizer steps (lr 1e-3 to 1e-2, Adam) agree to this between 1 and 2 processes: the
 #: gradients differ only in float32 summation order (a mean over 2 ranks of local means vs one mean)
@@ -239,7 +250,7 @@ def test_a_rank_with_only_nan_rewards_completes(tmp_path, tiny_policy, tiny_text
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["branch_grpo", "ram", "dmd", "pretrain", "afd", "ode_init"])
+@pytest.mark.parametrize("method", ["branch_grpo", "ram", "dmd", "pretrain", "afd", "ode_init", "dpo", "dgpo"])
 def test_method_ddp_and_fsdp2_equal_one_process(method, tmp_path, tiny_policy, tiny_text_encoder):
     extra = []
     if method == "ode_init":  # 8 teacher trajectories of the tiny policy (2 chunks of 2 latent frames)

@@ -21,6 +21,7 @@ from genrl.flow import (
 from genrl.flow.fm_core import sample_mse
 from genrl.flow.parameterization import add_noise
 from genrl.flow.policy import group_advantages
+from genrl.flow.preference import crd_kl_weight
 
 F64 = torch.float64
 LOG2 = math.log(2.0)
@@ -532,6 +533,59 @@ def test_crd_advantage_clip():
     r = torch.tensor([0.0, 0.0], dtype=F64)
     cen = crd_centering(r, torch.tensor([50.0, -2.0], dtype=F64), adv_clip=4.0)
     torch.testing.assert_close(cen.a, torch.tensor([1.0, 0.25], dtype=F64))
+
+
+@pytest.mark.parametrize("mode", ["mse", "bce"])
+@pytest.mark.parametrize("tau", [-1.0, 0.4])
+def test_crd_centering_over_a_larger_set_is_micro_batch_invariant(mode, tau):
+    """Rows centred on the whole set (``over``): the row-count-weighted mean of the parts' losses and gradients is
+    the whole batch's; ``over`` = the rows themselves is the default; one constant added to every r_theta (rows and
+    set) changes nothing, a shifted set centre alone does."""
+    g = _gen(27)
+    adv = torch.randn(7, generator=g, dtype=F64) * 3
+    r = torch.randn(7, generator=g, dtype=F64).requires_grad_(True)
+    whole, _ = crd_loss(r, adv, beta=2.0, mode=mode, weight_temp=tau)
+    (g_whole,) = torch.autograd.grad(whole, r)
+    over = (r.detach(), adv)
+    same, _ = crd_loss(r, adv, beta=2.0, mode=mode, weight_temp=tau, over=over)
+    assert same.item() == whole.item()
+    parts = [torch.arange(0, 3), torch.arange(3, 4), torch.arange(4, 7)]
+    total = sum(crd_loss(r[c], adv[c], beta=2.0, mode=mode, weight_temp=tau, over=over)[0] * len(c) for c in parts) / 7
+    (g_parts,) = torch.autograd.grad(total, r)
+    assert total.item() == pytest.approx(whole.item(), abs=1e-14)
+    torch.testing.assert_close(g_parts, g_whole, rtol=1e-12, atol=1e-15)
+    c = parts[2]
+    part = crd_loss(r[c], adv[c], beta=2.0, mode=mode, weight_temp=tau, over=over)[0].item()
+    shifted = crd_loss(r[c] + 4.0, adv[c], beta=2.0, mode=mode, weight_temp=tau, over=(r.detach() + 4.0, adv))
+    assert shifted[0].item() == pytest.approx(part, abs=1e-12)
+    moved = crd_loss(r[c], adv[c], beta=2.0, mode=mode, weight_temp=tau, over=(r.detach() + 0.1, adv))[0].item()
+    assert abs(moved - part) > 1e-3
+    cen = crd_centering(r[c], adv[c], weight_temp=tau, over=over)  # target: the rows' a minus the set's centre
+    a = adv.clamp(-5, 5) / 10 + 0.5
+    p = cen.p
+    assert p.shape == ((1 if tau < 0 else 2), 7)
+    torch.testing.assert_close(cen.target, a[c].unsqueeze(0) - (p * a).sum(1, keepdim=True), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match=r"r_all of shape \(7,\) and adv_all of shape \(2,\)"):
+        crd_centering(r, adv, over=(r.detach(), adv[:2]))
+    with pytest.raises(ValueError, match="adv_all holds NaN"):
+        crd_centering(r, adv, over=(r.detach(), torch.full((7,), math.nan, dtype=F64)))
+
+
+def test_crd_kl_weight():
+    """k = 1e-4 + a (kl_beta - 1e-4) = kl_beta (m + a (1 - m)), m = 1e-4 / kl_beta: kl_beta at the best reward
+    (a = 1), 1e-4 at the worst (a = 0)."""
+    adv = torch.tensor([9.0, 5.0, 0.0, -2.5, -5.0], dtype=F64)
+    k = crd_kl_weight(adv, 0.1)
+    a = torch.tensor([1.0, 1.0, 0.5, 0.25, 0.0], dtype=F64)
+    m = 1e-4 / 0.1
+    torch.testing.assert_close(k, 0.1 * (m + a * (1 - m)), rtol=1e-14, atol=0)
+    assert k[0].item() == pytest.approx(0.1) and k[-1].item() == pytest.approx(1e-4)
+    torch.testing.assert_close(crd_kl_weight(adv, 0.1, adv_clip=2.5)[3], torch.tensor(1e-4, dtype=F64))
+    assert crd_kl_weight(adv.float(), 0.1).dtype == torch.float32
+    with pytest.raises(ValueError, match="kl_beta must be a finite number > 0, got 0"):
+        crd_kl_weight(adv, 0)
+    with pytest.raises(ValueError, match="adv holds NaN"):
+        crd_kl_weight(torch.tensor([math.nan]), 0.1)
 
 
 def test_crd_errors():

@@ -12,7 +12,7 @@ job. Nothing here keeps state or communicates.
 * `dpo_loss`: flow-matching Diffusion-DPO on (winner, loser) pairs.
 * `dgpo_group_logits`, `dgpo_surrogate`: DGPO's group logit z_g and its gradient-equivalent per-sample
   surrogate; `dsm_clip_keep` / `apply_keep`: DGPO's PPO-style "DSM clipping" of the per-sample error.
-* `crd_implicit_reward`, `crd_centering`, `crd_loss`: Centered Reward Distillation.
+* `crd_implicit_reward`, `crd_centering`, `crd_loss`, `crd_kl_weight`: Centered Reward Distillation.
 
 Conventions (docs/architecture.md, Conventions): sigma in [0, 1] (0 = data, 1 = noise); velocity v = eps - x0;
 sigmoid is the logistic function; "sg" is stop-gradient (``detach``). Math runs in float32, float64 when any
@@ -42,6 +42,8 @@ __all__ = [
     "CRDCentering",
     "crd_centering",
     "crd_loss",
+    "CRD_KL_FLOOR",
+    "crd_kl_weight",
 ]
 
 DPOWeighting = Literal["velocity", "epsilon"]
@@ -52,6 +54,9 @@ _CRD_MODES: tuple[str, ...] = ("mse", "bce")
 
 CRD_MIN_SCALE = 1e-5
 """Floor of CRD's adaptive per-sample error scale w = sg(mean |v - u|)."""
+
+CRD_KL_FLOOR = 1e-4
+"""CRD's reward-adaptive KL coefficient of a sample with the lowest reward (a = 0)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,11 +401,16 @@ class CRDCentering(NamedTuple):
     a: torch.Tensor
     """[B] the advantage mapped to [0, 1]: clip(A, -c, c) / (2c) + 1/2 (detached)."""
     p: torch.Tensor
-    """[D, B] centering weights, each row sums to 1 (detached)."""
+    """[D, B] centering weights, each row sums to 1 (detached); [D, N] over the centering set given as ``over``."""
     target: torch.Tensor
     """[D, B] R_c = a - sum_j p_j a_j (detached); sum_i p_i R_c,i = 0 in each row."""
     reward: torch.Tensor
     """[D, B] R_theta_c = r_theta - sg(sum_j p_j r_theta,j) (gradient through r_theta only)."""
+
+
+def _unit_advantage(adv: torch.Tensor, c: float, device: torch.device, dt: torch.dtype) -> torch.Tensor:
+    """a = clip(A, -c, c) / (2c) + 1/2 in [0, 1], detached."""
+    return adv.detach().to(device=device, dtype=dt).clamp(-c, c) / (2 * c) + 0.5
 
 
 def crd_centering(
@@ -408,6 +418,7 @@ def crd_centering(
     adv: torch.Tensor,
     weight_temp: float = -1.0,
     adv_clip: float = 5.0,
+    over: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> CRDCentering:
     """CRD's centred target and centred implicit reward (the inputs of `crd_loss`).
 
@@ -422,18 +433,27 @@ def crd_centering(
 
     ``weight_temp == 0`` (CRD's hard positive / negative pools) is not supported.
 
+    ``over = (r_all, adv_all)`` centres the B rows given on a larger set of N samples that holds them: p, the
+    centre sum_j p_j a_j and the stop-gradient centre sum_j p_j r_all,j are taken over the set, R_c and
+    R_theta_c are returned for the B rows. CRD centres over the whole batch gathered from every rank and
+    micro-batch, while each micro-batch carries its own graph: ``r_all`` then comes from a pass without graph.
+    Rows and set may be given in any split: the rows' results do not depend on it (micro-batch invariance).
+
     Args:
         r_theta: [B] implicit rewards (`crd_implicit_reward`, with grad).
         adv: [B] advantages (detached here; finite).
         weight_temp: tau, see above; NaN and 0 are rejected.
         adv_clip: c, finite > 0 (5 in CRD).
+        over: optional (r_all [N], adv_all [N]), the centering set (detached here; finite advantages);
+            None: the B rows given are the set.
 
     Returns:
-        `CRDCentering` (a, p, target, reward); float32 (float64 if an input is float64).
+        `CRDCentering` (a [B], p [D, B] or [D, N] with ``over``, target [D, B], reward [D, B]); float32
+        (float64 if an input is float64).
 
     Raises:
-        ValueError: shapes; NaN / inf advantages; adv_clip not finite > 0; weight_temp 0 or NaN (the message
-            names the supported values).
+        ValueError: shapes (also of ``over``); NaN / inf advantages; adv_clip not finite > 0; weight_temp 0 or
+            NaN (the message names the supported values).
 
     Source: CRD, Centered Reward Distillation (arXiv 2603.14128), centred reward matching.
     """
@@ -447,15 +467,22 @@ def crd_centering(
             "or > 0 (softmax(+-a / weight_temp) centering, the two directions averaged); the hard "
             "positive / negative pools of weight_temp = 0 are not implemented"
         )
-    dt = compute_dtype(r_theta, adv)
+    if over is not None:
+        _vectors(r_all=over[0], adv_all=over[1])
+        _finite("adv_all", over[1])
+    dt = compute_dtype(r_theta, adv, *(over or ()))
     r = r_theta.to(dt)
-    a = adv.detach().to(device=r.device, dtype=dt).clamp(-c, c) / (2 * c) + 0.5
-    if tau < 0:
-        p = torch.full_like(a, 1.0 / a.shape[0]).unsqueeze(0)
+    a = _unit_advantage(adv, c, r.device, dt)
+    if over is None:
+        r_set, a_set = r.detach(), a
     else:
-        p = torch.stack([torch.softmax(a / tau, dim=0), torch.softmax(-a / tau, dim=0)])
-    target = a.unsqueeze(0) - (p * a).sum(dim=1, keepdim=True)
-    reward = r.unsqueeze(0) - (p * r.detach()).sum(dim=1, keepdim=True)
+        r_set, a_set = over[0].detach().to(device=r.device, dtype=dt), _unit_advantage(over[1], c, r.device, dt)
+    if tau < 0:
+        p = torch.full_like(a_set, 1.0 / a_set.shape[0]).unsqueeze(0)
+    else:
+        p = torch.stack([torch.softmax(a_set / tau, dim=0), torch.softmax(-a_set / tau, dim=0)])
+    target = a.unsqueeze(0) - (p * a_set).sum(dim=1, keepdim=True)
+    reward = r.unsqueeze(0) - (p * r_set).sum(dim=1, keepdim=True)
     return CRDCentering(a=a, p=p, target=target, reward=reward)
 
 
@@ -466,6 +493,7 @@ def crd_loss(
     mode: CRDMode = "mse",
     weight_temp: float = -1.0,
     adv_clip: float = 5.0,
+    over: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Centered Reward Distillation: match the centred implicit reward to the centred external reward.
 
@@ -479,9 +507,10 @@ def crd_loss(
     scaled: CRD multiplies it by c / beta (5 / beta at the default clip c = 5) to normalise the gradient
     size, which is the calling method's job (as are the KL term and the snapshots).
 
-    The mean runs over all B samples given. Pass the samples the centering should cover: one group (prompt),
-    or a batch gathered across ranks (then the other ranks' r_theta carry no gradient; CRD averages only the
-    local rows while centering over the gathered set, so scale accordingly).
+    The mean runs over the B rows given. Without ``over`` they are also the centering set: pass the samples
+    the centering should cover (one group, or a whole batch). With ``over = (r_all, adv_all)`` the rows are
+    centred on that larger set (`crd_centering`), so a batch split into micro-batches (or ranks) gives, as the
+    row-count-weighted mean of its parts, the loss and gradient of the whole batch.
 
     Args:
         r_theta: [B] implicit rewards (`crd_implicit_reward`, with grad).
@@ -490,6 +519,7 @@ def crd_loss(
         mode: ``"mse"`` or ``"bce"``.
         weight_temp: centering temperature (`crd_centering`): < 0 uniform, > 0 two-direction softmax.
         adv_clip: c, finite > 0.
+        over: optional (r_all [N], adv_all [N]), the centering set (`crd_centering`).
 
     Returns:
         (loss, stats): ``loss`` a 0-d tensor, float32 (float64 if an input is float64); ``stats`` detached
@@ -505,7 +535,7 @@ def crd_loss(
     beta = _positive("beta", beta)
     if mode not in _CRD_MODES:
         raise ValueError(f"unknown CRD mode {mode!r}; expected one of {_CRD_MODES}")
-    cen = crd_centering(r_theta, adv, weight_temp=weight_temp, adv_clip=adv_clip)
+    cen = crd_centering(r_theta, adv, weight_temp=weight_temp, adv_clip=adv_clip, over=over)
     logits = beta * cen.reward
     if mode == "mse":
         per_dir = (logits - cen.target).square().mean(dim=1)
@@ -521,3 +551,31 @@ def crd_loss(
             "fit_abs_mean": (logits.detach() - cen.target).abs().mean(),
         }
     return loss, stats
+
+
+def crd_kl_weight(adv: torch.Tensor, kl_beta: float, adv_clip: float = 5.0) -> torch.Tensor:
+    """CRD's reward-adaptive coefficient of the velocity KL to the reference, per sample:
+
+        k_i = kl_beta (m + a_i (1 - m)),   m = `CRD_KL_FLOOR` / kl_beta,   i.e.   k_i = 1e-4 + a_i (kl_beta - 1e-4),
+
+    with a = clip(A, -c, c) / (2c) + 1/2 in [0, 1]: the best-rewarded samples (a = 1) are held to the reference
+    with the full kl_beta, the worst (a = 0) with 1e-4 only. The KL term is mean_i k_i mean_j (v_theta - v_ref)_j^2.
+
+    Args:
+        adv: [B] advantages (detached here; finite).
+        kl_beta: finite > 0.
+        adv_clip: c, finite > 0.
+
+    Returns:
+        [B] k, float32 (float64 if adv is float64), detached.
+
+    Raises:
+        ValueError: kl_beta or adv_clip not finite > 0; adv not a non-empty 1-d tensor or with NaN / inf.
+
+    Source: CRD, Centered Reward Distillation (arXiv 2603.14128), the reward-adaptive KL of its released trainer.
+    """
+    kl = _positive("kl_beta", kl_beta)
+    c = _positive("adv_clip", adv_clip)
+    _vectors(adv=adv)
+    _finite("adv", adv)
+    return CRD_KL_FLOOR + _unit_advantage(adv, c, adv.device, compute_dtype(adv)) * (kl - CRD_KL_FLOOR)

@@ -2,6 +2,7 @@
 
 from genrl.methods.afd import AFD
 from genrl.methods.branch_grpo import BranchGRPO
+from genrl.methods.crd import CRD
 from genrl.methods.dgpo import DGPO
 from genrl.methods.dmd import DMD
 from genrl.methods.dpo import DPO
@@ -17,6 +18,6 @@ from genrl.methods.tmd import TMD
 from genrl.models.lora import LoraSpec  # re-exported: configs and user code name genrl.methods.LoraSpec
 from genrl.models.quantized import RolloutPrecision  # re-exported with PreviewConfig (Sol-RL)
 
-__all__ = ["AFD", "BranchGRPO", "DGPO", "DMD", "DPO", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit",
+__all__ = ["AFD", "BranchGRPO", "CRD", "DGPO", "DMD", "DPO", "FlowMatchingPretrain", "GRPO", "LoraSpec", "ODEInit",
            "PreviewConfig", "RAM", "RewardWeightedRegression", "RolloutPrecision", "StreamR1Weighting", "TMD",
            "TempAct"]

@@ -38,17 +38,17 @@ from genrl.methods.common import (
 )
 from genrl.methods.phases import (
     collect_endpoints,
+    errors_at,
     flat_validation_step,
+    gathered_pass,
+    grid_sigmas,
     group_advantages_of,
     optimizer_steps,
-    renoise,
-    role_velocity,
     score,
 )
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import ramped_decay
-from genrl.noise import mix_seed
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["DGPO"]
@@ -147,19 +147,16 @@ class DGPO(LightningModule):
     # ------------------------------------------------------------------ the algorithm
     def sigmas(self, it: int) -> torch.Tensor:
         """float32 [num_timesteps]: the iteration's sigmas, grid indices drawn without replacement from the first
-        ``trunc_steps`` + 1, addressed by (seed, iteration): the same on every rank."""
-        g = torch.Generator().manual_seed(mix_seed(self.hparams.seed, it, _STREAM_SIGMA))
-        picked = torch.randperm(self.grid_size, generator=g)[: self.hparams.num_timesteps]
-        return self.rollout_config.sigmas()[picked].float()
+        ``trunc_steps`` + 1, addressed by (seed, iteration): the same on every rank (:func:`grid_sigmas`)."""
+        return grid_sigmas(self.rollout_config, self.grid_size, self.hparams.num_timesteps, self.hparams.seed, it,
+                           _STREAM_SIGMA)
 
     def errors(self, x0, group, cond, sigma: float, it: int, m: int, roles: tuple[str, ...]):
         """Flow-matching errors [b] of ``x0`` [b, *latent] re-noised at ``sigma`` with its group's noise of draw
-        ``m``, for each of ``roles`` (``"theta"`` with graph; others without), and the velocities ``{role: v}``."""
-        h, fd = self.hparams, getattr(self.generator, "frame_dim", 1)
-        t = torch.full((len(group),), sigma, device=x0.device)
-        _, _, x_t, u = renoise(x0, group, h.seed, it, m, _STREAM_SIGMA, _STREAM_EPS, fd, t=t)
-        v = {r: role_velocity(self, x_t, t, cond, r) for r in roles}
-        return {r: sample_mse(v[r], u) for r in roles}, v
+        ``m``, for each of ``roles`` (``"theta"`` with graph; others without), and the velocities ``{role: v}``
+        (:func:`errors_at`)."""
+        e, v, _ = errors_at(self, x0, group, cond, sigma, self.hparams.seed, it, m, _STREAM_EPS, roles)
+        return e, v
 
     @torch.no_grad()
     def group_logits(self, x0, group, adv, cond, chunks, all_group, size: int, sigma: float, it: int,
@@ -168,12 +165,12 @@ class DGPO(LightningModule):
         ``chunks`` (index tensors into ``x0`` [n, *latent], ``group`` / ``adv`` [n], ``cond``): the policy's and the
         reference's errors, gathered with the advantages over ranks and reduced per group of ``all_group`` (the
         gathered group ids; K = ``size``) by :func:`~genrl.flow.preference.dgpo_group_logits`."""
-        diff = []
-        for c in chunks:
+        def diff(c: torch.Tensor) -> torch.Tensor:
             e, _ = self.errors(x0[c.to(x0.device)], group[c], cond.select(c.tolist()), sigma, it, m,
                                ("theta", "reference"))
-            diff.append((e["theta"] - e["reference"]).cpu())
-        z = dgpo_group_logits(gather_batch(self, torch.cat(diff)), gather_batch(self, adv), all_group,
+            return e["theta"] - e["reference"]
+
+        z = dgpo_group_logits(gathered_pass(self, chunks, diff), gather_batch(self, adv), all_group,
                               self.hparams.beta, size)
         return rank_slice(self, z, len(group))
 

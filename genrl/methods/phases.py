@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 
+from genrl.flow.fm_core import sample_mse
 from genrl.flow.forward_rl import sample_timesteps
 from genrl.flow.parameterization import add_noise
 from genrl.flow.policy import group_advantages, group_stats
@@ -44,8 +45,9 @@ from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
 __all__ = ["Pairs", "Rollouts", "Scores", "best_worst_pairs_of", "caption_dropout", "collect_endpoints",
-           "collect_flat", "collect_tree", "flat_validation", "flat_validation_step", "group_advantages_of",
-           "optimizer_steps", "renoise", "reward_spread", "role_velocity", "score", "update_plan", "video_batch"]
+           "collect_flat", "collect_tree", "errors_at", "flat_validation", "flat_validation_step", "gathered_pass",
+           "grid_sigmas", "group_advantages_of", "optimizer_steps", "renoise", "reward_spread", "role_velocity",
+           "score", "update_plan", "video_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -372,6 +374,63 @@ def role_velocity(module: LightningModule, x: torch.Tensor, t: torch.Tensor, con
                 return gen.velocity(x, t, cond).float()
         with module.roles.swap(gen, snapshot or role):
             return gen.velocity(x, t, cond).float()
+
+
+def grid_sigmas(config: RolloutConfig, grid: int, count: int, seed: int, iteration: int,
+                stream: int) -> torch.Tensor:
+    """The noise levels an iteration trains on, taken from the rollout's own grid (DGPO, CRD): ``count`` of the first
+    ``grid`` sigmas of ``config`` (its starting levels, from the highest down; the final 0 is never one), drawn as
+    consecutive random permutations of those values: without replacement while ``count <= grid``; beyond it every
+    value appears ``count // grid`` times or once more (CRD's 20 training timesteps on a 10-step grid). Addressed by
+    (seed, iteration, stream): the same on every rank and after a resume.
+
+    Returns:
+        float32 [count], shared by every sample of the iteration.
+    Raises:
+        ValueError: ``grid`` not in [1, config.num_steps] or ``count`` < 1.
+    """
+    if not 1 <= grid <= config.num_steps or count < 1:
+        raise ValueError(f"grid sigmas: need 1 <= grid <= num_steps = {config.num_steps} and count >= 1, got grid="
+                         f"{grid}, count={count}")
+    g = torch.Generator().manual_seed(mix_seed(seed, iteration, stream))
+    picked = torch.cat([torch.randperm(grid, generator=g) for _ in range(-(-count // grid))])[:count]
+    return config.sigmas()[picked].float()
+
+
+def errors_at(module: LightningModule, x0: torch.Tensor, keys: torch.Tensor, cond, sigma: float, seed: int,
+              iteration: int, draw: int, eps_stream: int,
+              roles: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """The flow-matching (DSM) errors of several policy snapshots at one noise level (DGPO, CRD): ``x0`` re-noised at
+    ``sigma`` (one value for all rows) with noise addressed by (seed, iteration, ``eps_stream``, key, ``draw``)
+    (:func:`renoise`: rows with the same key share it), and e_r = mean_j (v_r - u)_j^2, u = eps - x0, for each role r
+    of ``roles`` (:func:`role_velocity`: ``"theta"`` with graph, the others without).
+
+    Args:
+        x0: clean endpoints [b, *latent]; keys: int64 [b] noise addresses; cond: the rows' conditioning.
+    Returns:
+        ``(errors {role: float32 [b]}, velocities {role: float32 [b, *latent]}, u [b, *latent])``.
+    Raises:
+        KeyError: a role that is not declared (:func:`role_velocity`).
+    """
+    t = torch.full((len(keys),), sigma, device=x0.device)
+    fd = getattr(module.generator, "frame_dim", 1)
+    _, _, x_t, u = renoise(x0, keys, seed, iteration, draw, 0, eps_stream, fd, t=t)  # t given: no t stream drawn
+    v = {r: role_velocity(module, x_t, t, cond, r) for r in roles}
+    return {r: sample_mse(v[r], u) for r in roles}, v, u
+
+
+@torch.no_grad()
+def gathered_pass(module: LightningModule, chunks: Iterable[torch.Tensor],
+                  fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A pass without graph over this rank's samples, gathered over ranks: the batch statistic that a second pass
+    with graph needs before it starts (DGPO's group logits, CRD's centre), whatever the micro-batching. ``fn(rows)``
+    gives a value per row [b, ...] for each of ``chunks`` (int64 row-index tensors covering the local batch, in
+    order); the values are concatenated on the CPU and gathered (:func:`~genrl.methods.common.gather_batch`).
+
+    Returns:
+        [world * n, ...] on the CPU, in rank order (this rank's rows: :func:`~genrl.methods.common.rank_slice`).
+    """
+    return gather_batch(module, torch.cat([fn(c).cpu() for c in chunks]))
 
 
 #: a loss unit: () -> (loss to back-propagate (already scaled), {stat: weighted value}, stat weight)

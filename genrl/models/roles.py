@@ -256,10 +256,16 @@ class RolloutCopy(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def ramped_decay(iteration: int, ramp: float, maximum: float) -> float:
+def ramped_decay(iteration: int, ramp: float, maximum: float, start: float = 0.0, delay: int = 0) -> float:
     """The old-policy EMA decay of DiffusionNFT / RAM: d = min(ramp * iteration, maximum) (0 at the start: theta_old
-    follows theta exactly, then lags more and more, up to ``maximum``)."""
-    return min(ramp * iteration, maximum)
+    follows theta exactly, then lags more and more, up to ``maximum``).
+
+    With an offset and a delay (CRD's snapshot schedules, arXiv 2603.14128): d = ``start`` while ``iteration`` <
+    ``delay``, then min(start + ramp * (iteration - delay), maximum); the defaults give the formula above exactly.
+    """
+    if iteration < delay:
+        return start
+    return min(start + ramp * (iteration - delay), maximum)
 
 
 @dataclass(frozen=True)
