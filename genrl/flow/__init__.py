@@ -86,6 +86,7 @@ from genrl.flow.policy import (
     velocity_kl,
 )
 from genrl.flow.preference import (
+    CRD_KL_FLOOR,
     CRD_MIN_SCALE,
     CRDCentering,
     CRDMode,
@@ -93,6 +94,7 @@ from genrl.flow.preference import (
     apply_keep,
     crd_centering,
     crd_implicit_reward,
+    crd_kl_weight,
     crd_loss,
     dgpo_group_logits,
     dgpo_surrogate,
@@ -265,4 +267,6 @@ __all__ = [
     "CRDCentering",
     "crd_centering",
     "crd_loss",
+    "crd_kl_weight",
+    "CRD_KL_FLOOR",
 ]
