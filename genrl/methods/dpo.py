@@ -170,11 +170,11 @@ class DPO(LightningModule):
         err_ref = sample_mse(role_velocity(self, x, tt, cond, self.reference_role), u)
         p = len(keys)
         loss, stats = dpo_loss(err[:p], err[p:], err_ref[:p], err_ref[p:], h.beta, sigma=t, weighting=h.weighting)
-        if weight is not None and not bool((weight > 0).all()):
-            real = (weight > 0).to(err.device)
-            pick = lambda e: e.detach()[:p][real], lambda e: e.detach()[p:][real]  # noqa: E731
-            stats = {} if not real.any() else dpo_loss(pick[0](err), pick[1](err), pick[0](err_ref), pick[1](err_ref),
-                                                       h.beta, sigma=t[real], weighting=h.weighting)[1]
+        if weight is not None and not bool((weight > 0).all()):  # the statistics of the real pairs only
+            keep = (weight > 0).to(err.device)
+            e, r = err.detach(), err_ref
+            stats = dpo_loss(e[:p][keep], e[p:][keep], r[:p][keep], r[p:][keep], h.beta, sigma=t[keep],
+                             weighting=h.weighting)[1] if keep.any() else {}
         return loss, stats
 
     def training_step(self, batch: dict, batch_idx: int) -> None:
