@@ -22,7 +22,9 @@ from genrl.flow import (
     meanflow_target,
     outer_step,
     sample_inner_times,
+    sample_outer_point,
     shift_sigmas,
+    tm_meanflow_loss,
     transition_grid,
     vsd_gradient,
     vsd_loss,
@@ -628,3 +630,101 @@ def test_transition_rollout_splits_cond_or_refuses():
         transition_rollout(model, None, (2,), seed=0, indices=[], config=cfg)
     fast = TransitionConfig(outer_steps=1, inner_steps=1, micro_batch_size=8, batching="fast")
     assert transition_rollout(model, object(), (2,), seed=0, indices=range(3), config=fast).latents.shape == (3, 2)
+
+
+# ------------------------------------------------------------------------------- stage-1 parts shared by the method
+
+
+def test_sample_outer_point_closed_form_bounds_and_addressing():
+    """t = grid[min(floor(M a), M - 1)] with a the addressed uniform, so t is one of t_M .. t_1 (never 0), each with
+    probability 1/M; x1 is the addressed normal and x_t = (1 - t) x0 + t x1 exactly (float64); a sample's draws
+    depend only on its own (seed, index, step, stream)."""
+    grid = transition_grid(3, 10.0, 0.999)
+    idx = torch.tensor([4, 0, 9, 2, 7, 11])
+    x0 = _randn(6, 2, 3, seed=1)
+    t, x1, x_t = sample_outer_point(x0, grid, 5, idx, time_stream=32, noise_stream=31, step=2, dtype=F64)
+    assert t.dtype == x1.dtype == x_t.dtype == F64 and t.shape == (6,) and x1.shape == x0.shape
+    a = rand_per_sample((), 5, idx, 2, 32)
+    k = torch.clamp((a.double() * 3).floor().long(), max=2)
+    assert torch.equal(t, grid[k]) and bool((t > 0).all())
+    assert torch.equal(x1, randn_per_sample((2, 3), 5, idx, 2, 31, dtype=F64))
+    tt = t.view(-1, 1, 1)
+    assert torch.equal(x_t, (1 - tt) * x0 + tt * x1)
+    # addressing: a sub-batch in another order draws the same rows; another step / stream / seed draws others
+    sub = torch.tensor([2, 3])
+    t2, x12, _ = sample_outer_point(x0[sub.flip(0)], grid, 5, idx[sub.flip(0)], 32, 31, step=2, dtype=F64)
+    assert torch.equal(t2, t[sub.flip(0)]) and torch.equal(x12, x1[sub.flip(0)])
+    for kwargs in ({"step": 3}, {"time_stream": 33, "noise_stream": 34}):
+        args = {"time_stream": 32, "noise_stream": 31, "step": 2, "dtype": F64, **kwargs}
+        _, other, _ = sample_outer_point(x0, grid, 5, idx, **args)
+        assert not torch.equal(other, x1)
+    # the default float32 draws: t is the float32 rounding of the same grid point (x_t float64 with float64 data)
+    t32, x132, x_t32 = sample_outer_point(x0.float(), grid, 5, idx, 32, 31, step=2)
+    assert t32.dtype == x132.dtype == x_t32.dtype == torch.float32 and torch.equal(t32, t.float())
+    assert sample_outer_point(x0, grid, 5, idx, 32, 31, step=2)[2].dtype == F64
+
+
+def test_sample_outer_point_is_uniform_over_the_grid_and_rejects_bad_inputs():
+    grid = transition_grid(4, 3.0, 0.999)
+    n = 4000
+    t, _, _ = sample_outer_point(torch.zeros(n, 1, dtype=F64), grid, 0, torch.arange(n), 1, 2, dtype=F64)
+    for point in grid[:-1]:
+        share = float((t == point).double().mean())
+        assert abs(share - 0.25) < 4 * math.sqrt(0.25 * 0.75 / n), (float(point), share)
+    assert not bool((t == 0).any())
+    with pytest.raises(ValueError, match="1-d tensor of at least 2 points"):
+        sample_outer_point(torch.zeros(2, 1), grid[:1], 0, [0, 1], 1, 2)
+    with pytest.raises(ValueError, match="1-d tensor"):
+        sample_outer_point(torch.zeros(2, 1), grid.view(1, -1), 0, [0, 1], 1, 2)
+    with pytest.raises(ValueError, match="one row per index"):
+        sample_outer_point(torch.zeros(3, 1), grid, 0, [0, 1], 1, 2)
+
+
+def test_tm_meanflow_loss_closed_form_noise_parameterization():
+    """A linear head y_hat = a y_s under "noise": u = y1 - a y_s, whose derivative along (v, 1) is -a v exactly, so
+    the target is v (1 + a (s - r)) and the loss mean_b e_b / (e_b + c) with e_b = ||u_b - target_b||^2; its
+    gradient in a is mean_b 2 <u_b - target_b, -y_s_b> / (e_b + c) (the target and the weight are detached)."""
+    y, y1 = _randn(3, 2, 2, seed=2), _randn(3, 2, 2, seed=3)
+    s = torch.tensor([0.7, 0.4, 0.9], dtype=F64)
+    r = torch.tensor([0.2, 0.4, 0.0], dtype=F64)
+    a = torch.tensor(0.3, dtype=F64, requires_grad=True)
+    calls = []
+
+    def head(y_s, s_):
+        calls.append(torch.is_grad_enabled())
+        return a * y_s
+
+    out = tm_meanflow_loss(head, y, y1, s, r, "noise", delta=1e-3, c=2.0)
+    assert calls == [True, False, False]  # u with graph, the two finite-difference points without
+    col = (-1, 1, 1)
+    y_s = (1 - s.view(col)) * y + s.view(col) * y1
+    v = y1 - y
+    u = y1 - a.detach() * y_s
+    target = v * (1 + a.detach() * (s - r).view(col))
+    e = (u - target).pow(2).flatten(1).sum(1)
+    torch.testing.assert_close(out["u_minus_target"], u - target, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out["loss"], (e / (e + 2.0)).mean(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out["mse"], (u - target).pow(2).mean(), rtol=1e-10, atol=1e-12)
+    assert float(out["r_equal_s"]) == pytest.approx(1 / 3)
+    assert out["loss"].dtype == F64 and not out["u_minus_target"].requires_grad
+    out["loss"].backward()
+    want = (2 * ((u - target) * -y_s).flatten(1).sum(1) / (e + 2.0)).mean()
+    torch.testing.assert_close(a.grad, want, rtol=1e-9, atol=1e-12)
+
+
+def test_tm_meanflow_loss_closed_form_denoiser_and_default_c():
+    """Under "denoiser" a head y_hat = y_s - s w gives the constant average velocity u = w: du/ds = 0, so the target
+    is v whatever r is, and c defaults to d (elements per sample); bad shapes are refused."""
+    y, y1, w = _randn(2, 3, seed=4), _randn(2, 3, seed=5), _randn(2, 3, seed=6)
+    s, r = torch.tensor([0.5, 0.8], dtype=F64), torch.tensor([0.1, 0.8], dtype=F64)
+    out = tm_meanflow_loss(lambda y_s, s_: y_s - s_.view(-1, 1) * w, y, y1, s, r, "denoiser")
+    v = y1 - y
+    torch.testing.assert_close(out["u_minus_target"], w - v, rtol=1e-9, atol=1e-10)
+    e = (w - v).pow(2).sum(1)
+    torch.testing.assert_close(out["loss"], (e / (e + 3.0)).mean(), rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match="y1 of shape"):
+        tm_meanflow_loss(lambda y_s, s_: y_s, y, y1[:, :2], s, r)
+    with pytest.raises(ValueError, match="s must be a tensor"):
+        tm_meanflow_loss(lambda y_s, s_: y_s, y, y1, s[:1], r)
+    with pytest.raises(ValueError, match="r must be a tensor"):
+        tm_meanflow_loss(lambda y_s, s_: y_s, y, y1, s, 0.5)

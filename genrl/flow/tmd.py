@@ -28,12 +28,13 @@ sigma == t in [0, 1], t = 1 noise, ``x_t = (1 - t) x0 + t eps``, velocity ``v = 
   their mean (on the 2-D toy, benchmarks/tmd_toy.py: samples at radius 3.7 instead of 4.0, while "denoiser"
   keeps the radius; stage 2's distribution matching, which trains through the rollout, can correct either).
 
-Training (stage 1, "TM-MeanFlow"): s, r from :func:`sample_inner_times`, the total derivative of u along the
-conditional tangent (v, 1) by :func:`finite_difference_derivative`, the target :func:`meanflow_target` and the
-loss :func:`adaptive_loss` (Geng et al. 2025, "Mean Flows for One-step Generative Modeling", arXiv 2505.13447:
-the MeanFlow identity, its regression target and its adaptive loss weighting). Stage 2 (DMD2-v) uses the
-normalised variational-score direction :func:`vsd_gradient` and its surrogate :func:`vsd_loss`. The cost of a
-sampler is :func:`effective_nfe` (paper eq. 16).
+Training (stage 1, "TM-MeanFlow"): the outer point x_{t_i} from :func:`sample_outer_point`, s, r from
+:func:`sample_inner_times`, the total derivative of u along the conditional tangent (v, 1) by
+:func:`finite_difference_derivative`, the target :func:`meanflow_target` and the loss :func:`adaptive_loss`
+(Geng et al. 2025, "Mean Flows for One-step Generative Modeling", arXiv 2505.13447: the MeanFlow identity, its
+regression target and its adaptive loss weighting), assembled from the head's outputs by :func:`tm_meanflow_loss`.
+Stage 2 (DMD2-v) uses the normalised variational-score direction :func:`vsd_gradient` and its surrogate
+:func:`vsd_loss`. The cost of a sampler is :func:`effective_nfe` (paper eq. 16).
 
 Pure math: imports torch, genrl.flow and genrl.noise only. Step math runs in float32 (float64 when an input is).
 """
@@ -48,8 +49,9 @@ import torch
 
 from genrl.flow.broadcast import _expand, compute_dtype
 from genrl.flow.dmd import dmd_gradient, dmd_loss
+from genrl.flow.parameterization import add_noise
 from genrl.flow.schedules import shift_sigmas
-from genrl.noise import NoiseBackend, rand_per_sample
+from genrl.noise import NoiseBackend, rand_per_sample, randn_per_sample
 
 __all__ = [
     "INNER_TIME_STREAM",
@@ -63,6 +65,8 @@ __all__ = [
     "meanflow_target",
     "outer_step",
     "sample_inner_times",
+    "sample_outer_point",
+    "tm_meanflow_loss",
     "transition_grid",
     "vsd_gradient",
     "vsd_loss",
@@ -233,6 +237,62 @@ def sample_inner_times(
     r = r.amax(dim=1)
     r = torch.where(coin < p_equal, s, r)
     return s.to(dtype), r.to(dtype)
+
+
+def sample_outer_point(
+    x0: torch.Tensor,
+    outer_grid: torch.Tensor,
+    seed: int,
+    indices,
+    time_stream: int,
+    noise_stream: int,
+    step: int = 0,
+    frame_dim: int = 1,
+    dtype: torch.dtype = torch.float32,
+    backend: NoiseBackend = "generator",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outer point of a TMD training sample: a time ``t_i`` of the outer grid and the noised data ``x_{t_i}``.
+
+    ``k = min(floor(M a), M - 1)`` (M a in float32) with ``a ~ U[0, 1)`` and M = ``len(outer_grid) - 1``, so
+    ``t = outer_grid[k]`` is one of the grid's M upper points t_M .. t_1 (never the final 0), each with probability
+    1/M; the outer noise ``x1 ~ N(0, I)`` and ``x_t = (1 - t) x0 + t x1`` (:func:`genrl.flow.add_noise`), the
+    starting point of the transition that both TMD stages train (Nie et al. 2026: stage 1 regresses y = x1 - x0 at
+    x_t, stage 2 rolls the student out from it).
+
+    Addressed draws (docs/architecture.md, Seeds and noise addressing): a from ``(seed, indices[i], step,
+    time_stream)`` (`rand_per_sample`, float32), x1 from ``(seed, indices[i], step, noise_stream)``
+    (`randn_per_sample`); a sample's draws depend only on its own address, never on the batch.
+
+    Args:
+        x0: data latents [B, ...], any float dtype.
+        outer_grid: the descending outer grid [M + 1] ending in 0 (:func:`transition_grid`; float64 there).
+        seed: the run seed (a method mixes its iteration in, or passes it as ``step``).
+        indices: B global sample ids (ints or an int tensor).
+        time_stream, noise_stream: the streams of a and of x1 (distinct).
+        step: an int, the address's step component.
+        frame_dim: the frame dim of x0 (only for the noising).
+        dtype: the dtype of t and x1 (float32; float64 for closed-form checks).
+        backend: the noise backend of both draws.
+
+    Returns:
+        ``(t [B], x1, x_t)`` on x0's device: t of ``dtype``, each an entry of ``outer_grid[:-1]`` rounded to it; x1
+        of x0's shape and ``dtype``; x_t of x0's shape, float32 (float64 when x0 or ``dtype`` is float64).
+
+    Raises:
+        ValueError: a grid that is not 1-d with at least 2 points, or B != len(indices).
+    """
+    if not isinstance(outer_grid, torch.Tensor) or outer_grid.ndim != 1 or outer_grid.numel() < 2:
+        raise ValueError("outer_grid must be a 1-d tensor of at least 2 points (e.g. transition_grid(M, shift))")
+    n = len(indices)
+    if x0.ndim < 1 or x0.shape[0] != n:
+        raise ValueError(f"x0 of shape {tuple(x0.shape)} must have one row per index ({n} indices)")
+    m = outer_grid.numel() - 1
+    a = rand_per_sample((), seed, indices, step, time_stream, backend=backend)
+    k = (a * m).long().clamp_max(m - 1)
+    t = outer_grid[k.to(outer_grid.device)].to(device=x0.device, dtype=dtype)
+    x1 = randn_per_sample(x0.shape[1:], seed, indices, step, noise_stream, device=x0.device, dtype=dtype,
+                          backend=backend)
+    return t, x1, add_noise(x0, x1, t, frame_dim=frame_dim)
 
 
 # ------------------------------------------------------------------------------------------------- the two updates
@@ -462,6 +522,66 @@ def adaptive_loss(
     err = (u.to(dt) - target.detach().to(dt)).square().reshape(b, -1).sum(dim=1)
     weight = (err.detach() + c).pow(-power)
     return (err * weight).mean()
+
+
+def tm_meanflow_loss(
+    head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    y: torch.Tensor,
+    y1: torch.Tensor,
+    s: torch.Tensor,
+    r: torch.Tensor,
+    parameterization: Parameterization = "denoiser",
+    delta: float = 5e-3,
+    c: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """TMD's stage-1 (TM-MeanFlow) loss of one batch, assembled from the flow head's outputs.
+
+    The inner point ``y_s = (1 - s) y + s y1`` and the conditional velocity ``v = y1 - y``; the average velocity
+    ``u = average_velocity(y_s, s, y1, head(y_s, s))`` (with graph); its total derivative along (v, 1) by
+    :func:`finite_difference_derivative` under ``torch.no_grad`` (two more head calls); the MeanFlow target
+    ``sg(v - (s - r) du/ds)`` (:func:`meanflow_target`) and the adaptively weighted loss (:func:`adaptive_loss`).
+    This is MeanFlow's regression (Geng et al. 2025, arXiv 2505.13447: the MeanFlow identity
+    ``u = v - (s - r) du/ds`` with the conditional velocity and its loss ``||u - sg(u_tgt)||^2`` with adaptive
+    weighting) on TMD's inner flow (Nie et al. 2026, arXiv 2601.09881, stage 1). With r = s the target is v: plain
+    transition matching on the inner path.
+
+    Args:
+        head: maps ``(y_s [B, ...], s [B])`` to the head's estimate y_hat of y (shape of y); r, the features and
+            the outer time are fixed by the caller. It must treat rows independently; it is called three times
+            (once with graph).
+        y: the transition's target ``x1 - x0`` (possibly CFG-shifted), [B, ...], float32 or float64.
+        y1: the inner noise, shape of y.
+        s, r: inner times [B] (:func:`sample_inner_times`), 0 <= r <= s <= 1 (s > 0 for ``"denoiser"``).
+        parameterization: ``"denoiser"`` or ``"noise"`` (:func:`average_velocity`).
+        delta: the finite-difference step (0 < delta, 2 delta <= 1).
+        c: the adaptive loss's constant (None: d, the elements per sample).
+
+    Returns:
+        ``{"loss": 0-d with graph through head, "mse": mean (u - target)^2, "r_equal_s": fraction of r == s,
+        "u_minus_target": u - target [B, ...] detached}``; float32 (float64 when the inputs are float64).
+
+    Raises:
+        ValueError: y1 not of y's shape, s or r not [B], or as the composed functions (delta, c, parameterization).
+    """
+    if y1.shape != y.shape:
+        raise ValueError(f"y1 of shape {tuple(y1.shape)} must match y of shape {tuple(y.shape)}")
+    for name, value in (("s", s), ("r", r)):
+        if not isinstance(value, torch.Tensor) or value.shape != (y.shape[0],):
+            raise ValueError(f"{name} must be a tensor [B] with B = {y.shape[0]}")
+    shape = (-1,) + (1,) * (y.ndim - 1)
+    y_s = (1 - s.view(shape)) * y + s.view(shape) * y1
+    v = y1 - y
+
+    def u_of(yy: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
+        return average_velocity(yy, ss, y1, head(yy, ss), parameterization)
+
+    u = u_of(y_s, s)
+    with torch.no_grad():
+        dudt = finite_difference_derivative(u_of, y_s, s, v, delta=delta)
+    target = meanflow_target(v, dudt, s, r)
+    loss = adaptive_loss(u, target, c)
+    diff = u.detach() - target
+    return {"loss": loss, "mse": diff.pow(2).mean(), "r_equal_s": (r == s).float().mean(), "u_minus_target": diff}
 
 
 # ------------------------------------------------------------------------------------------------ stage-2 (DMD2-v)

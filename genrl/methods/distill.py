@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from genrl.flow import add_noise, x0_from_velocity
-from genrl.flow.dmd import gan_discriminator_loss, sample_dmd_sigma
+from genrl.flow.dmd import critic_loss, gan_discriminator_loss, sample_dmd_sigma
 from genrl.flow.guidance import cfg_combine
 from genrl.flow.losses import flow_matching_loss
 from genrl.flow.nft import advantage_to_r, bt_loss, centered_advantages, r1_penalty, r2_penalty
@@ -31,7 +31,7 @@ from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
 from genrl.rollout.autoregressive import ARResult, ChunkSchedule, ar_rollout, sample_exit_step, teacher_forced_velocity
 
 __all__ = ["CAUSAL_INTERFACE", "SaturationMonitor", "ScoreRole", "causal_samples", "causal_videos",
-           "chunk_noise_levels", "negative_cond", "configure_student", "discriminator_advantages",
+           "chunk_noise_levels", "critic_fm_step", "negative_cond", "configure_student", "discriminator_advantages",
            "discriminator_loss", "dmd_noised", "exit_step_of",
            "gan_critic_term", "gan_layers_for", "paired_instance_noise", "real_x0", "student_rollout",
            "teacher_forced_fm_loss", "teacher_gan_logits"]
@@ -173,6 +173,38 @@ def dmd_noised(x: torch.Tensor, indices: torch.Tensor, seed: int, stream: int, s
                                         max_timestep) for i in indices]).to(x.device)
     eps = randn_per_sample(x.shape[1:], seed, indices, step=1, stream=stream, device=x.device)
     return sigma, eps, add_noise(x.detach().float(), eps, sigma, frame_dim=frame_dim)
+
+
+def critic_fm_step(generator: nn.Module, critic: nn.Module, x: torch.Tensor, cond: Conditioning,
+                   indices: torch.Tensor, seed: int, stream: int, shift: float, min_timestep: float,
+                   max_timestep: float, frame_dim: int = 1) -> dict[str, torch.Tensor]:
+    """The critic's (fake score's) flow-matching step on student samples, shared by DMD and TMD's stage 2.
+
+    x [B, *latent] (the student's samples; detached and cast to float32 here) is noised by :func:`dmd_noised`
+    (sigma [B] from DMD's shifted, clamped timestep draw, eps ~ N(0, I), both addressed by (seed, sample index,
+    stream)); the critic's velocity v at (x_sigma, sigma), evaluated through ``generator``'s input handling
+    (:class:`ScoreRole`, bidirectional), regresses eps - x without time weighting (:func:`genrl.flow.dmd.critic_loss`:
+    ``mean (v - (eps - x))^2``). Source: DMD2's fake-score update (Yin et al. 2024b); Self-Forcing's FlowPredLoss.
+
+    Args:
+        generator: the student's generator (layout, timestep scaling, text conditioning).
+        critic: the critic's transformer (swapped into ``generator`` for the call).
+        x: the student's samples [B, *latent]; cond: their conditioning (B rows).
+        indices: the samples' global ids [B]; seed: the iteration's mixed seed; stream: the noise stream.
+        shift, min_timestep, max_timestep: the timestep draw (:func:`genrl.flow.dmd.sample_dmd_sigma`).
+        frame_dim: the latents' frame dim.
+
+    Returns:
+        ``{"loss": 0-d float32 with graph in the critic, "sigma": [B], "eps": shape of x, "x_sigma": shape of x}``
+        (the last three detached: the noising, for terms that reuse it, e.g. TMD's GAN heads).
+
+    Raises:
+        ValueError: as :func:`genrl.flow.dmd.critic_loss` (shapes).
+    """
+    x = x.detach().float()
+    sigma, eps, x_sigma = dmd_noised(x, indices, seed, stream, shift, min_timestep, max_timestep, frame_dim=frame_dim)
+    v = ScoreRole(generator, critic).velocity(x_sigma, sigma, cond)
+    return {"loss": critic_loss(v, x, eps, frame_dim=frame_dim), "sigma": sigma, "eps": eps, "x_sigma": x_sigma}
 
 
 def discriminator_loss(discriminator: nn.Module, teacher: torch.Tensor, student: torch.Tensor, cond_t: Conditioning,

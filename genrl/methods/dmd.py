@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow.dmd import critic_loss, dmd_gradient, dmd_loss, sid_loss
+from genrl.flow.dmd import dmd_gradient, dmd_loss, sid_loss
 from genrl.methods.common import (
     check_finite,
     frame_shape_of,
@@ -38,6 +38,7 @@ from genrl.methods.distill import (
     ScoreRole,
     causal_videos,
     configure_student,
+    critic_fm_step,
     dmd_noised,
     exit_step_of,
     negative_cond,
@@ -53,8 +54,7 @@ from genrl.rollout.autoregressive import ChunkSchedule
 
 __all__ = ["DMD", "ScoreRole"]  # ScoreRole: re-exported from genrl.methods.distill
 
-_STREAM_DMD_NOISE = 21
-_STREAM_CRITIC_NOISE = 22
+_STREAM_DMD_NOISE, _STREAM_CRITIC_NOISE = 21, 22  # the generator's and the critic's noising (dmd_noised)
 
 
 class DMD(LightningModule):
@@ -227,12 +227,12 @@ class DMD(LightningModule):
         return {"loss": loss, "g_norm": g.float().pow(2).mean().sqrt(), "exit_step": torch.tensor(float(out.exit_step))}
 
     def critic_step_loss(self, cond: Conditioning, indices: torch.Tensor, it: int) -> dict[str, torch.Tensor]:
-        """A fresh no-grad rollout and the critic's flow-matching loss on it."""
+        """A fresh no-grad rollout and the critic's flow-matching step on it (distill's :func:`critic_fm_step`)."""
+        h = self.hparams
         with torch.no_grad():
-            x = self.student_rollout(cond, indices, mix_seed(self.hparams.seed, it, 2), grad=False).latents.float()
-        sigma, eps, x_t = self._noised(x, indices, it, _STREAM_CRITIC_NOISE)
-        v = ScoreRole(self.generator, self.critic).velocity(x_t, sigma, cond)
-        return {"loss": critic_loss(v, x, eps, frame_dim=getattr(self.generator, "frame_dim", 1))}
+            x = self.student_rollout(cond, indices, mix_seed(h.seed, it, 2), grad=False).latents
+        return critic_fm_step(self.generator, self.critic, x, cond, indices, mix_seed(h.seed, it), _STREAM_CRITIC_NOISE,
+                              h.timestep_shift, h.min_timestep, h.max_timestep, getattr(self.generator, "frame_dim", 1))
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: dict, batch_idx: int) -> None:

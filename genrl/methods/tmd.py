@@ -1,34 +1,25 @@
 """TMD: transition matching distillation of a video flow model into a few-step student with a flow head.
 
 Nie, Berner, Ma, Liu, Xie, Vahdat 2026, "Transition Matching Distillation" (arXiv 2601.09881), building on Difference
-Transition Matching (Shaul et al. 2025, arXiv 2506.23589) and DMD2 (Yin et al. 2024). The student is the teacher
-split in two (docs/methods/tmd.md): a *backbone* (embedding + the first L - H blocks) that runs once per outer
-transition and gives features m of x_{t_i}, and a *flow head* (a new fusion block with a gate, a zero-initialised
-(s - r) time embedding, and the teacher's own last H blocks and output layers) that runs N times per transition on
-the inner variable y = x1 - x0. Sampling: M outer transitions, each an N-step inner flow map from y1 ~ N(0, I) to
-y_hat, then x <- x - (t_i - t_{i-1}) y_hat (:func:`genrl.rollout.transition.transition_rollout`); effective NFE
-M (1 + (N - 1) H / L).
+Transition Matching (Shaul et al. 2025, arXiv 2506.23589), MeanFlow (Geng et al. 2025) and DMD2 (Yin et al. 2024).
+The student is the teacher split in two (:mod:`genrl.models.trunk`): a *backbone* that runs once per outer transition
+and a *flow head* that runs N times per transition on the inner variable y = x1 - x0; it samples with
+:func:`genrl.rollout.transition.transition_rollout` (effective NFE M (1 + (N - 1) H / L)). A short composition:
 
-Two stages, one class (``stage``):
+- ``stage: "meanflow"`` (TM-MeanFlow, stage 1): caption dropout, the outer point
+  (:func:`genrl.flow.tmd.sample_outer_point`), the optional CFG shift of y by the frozen teacher's guidance
+  direction, the inner times (:func:`genrl.flow.tmd.sample_inner_times`) and the loss assembled from the head's
+  outputs (:func:`genrl.flow.tmd.tm_meanflow_loss`); backbone and head train together.
+- ``stage: "dmd"`` (DMD2-v with flow-head rollout, stage 2): the student's sample x_hat = x_{t_i} - t_i y_hat through
+  all N inner steps with gradients, the VSD loss against the frozen teacher with CFG
+  (:func:`genrl.flow.tmd.vsd_gradient`), the critic's flow-matching step shared with DMD
+  (:func:`genrl.methods.distill.critic_fm_step`) every iteration and DMD2-v's optional GAN term; the student steps
+  every ``critic_updates_per_generator_update``-th iteration.
 
-- ``"meanflow"`` (TM-MeanFlow, the paper's stage 1): x_{t_i} from data at an outer grid point, y = x1 - x0, inner
-  point y_s = (1 - s) y + s y1, r = s with probability 0.75 (plain transition matching) else the inner grid point
-  below s; the head's average velocity u = y1 - head(y_s, s, r; m) regresses the MeanFlow target
-  sg(v - (s - r) du/ds) with v = y1 - y and du/ds a central finite difference (three head calls, no forward-mode
-  AD), under MeanFlow's adaptive loss normalisation. Backbone and head are trained together (m is not detached).
-  Text CFG on the target (``meanflow_cfg_scale`` w != 1): y is shifted by (w - 1)(v_T(x_t, c) - v_T(x_t, null)),
-  the frozen teacher's guidance direction at x_{t_i}, so that E[y | x_t] is the guided teacher velocity; this is
-  genrl's reading of the paper's "CFG 3 on the conditional velocity" (no public code exists).
-- ``"dmd"`` (DMD2-v with flow-head rollout, stage 2): the generator's sample x_hat = x_{t_i} - t_i y_hat, with y_hat
-  from all N inner steps *with* gradients (through the head and the backbone), x_{t_i} noised data latents (no outer
-  backward simulation); the VSD loss with the critic (fake score, flow matching on the student's samples, updated
-  every iteration) and the frozen teacher with CFG; the student steps every ``critic_updates_per_generator_update``-th
-  iteration. DMD2's GAN term is not implemented (the issue's optional part).
-
-Roles: ``generator`` (the student's transformer, trainable) and ``flow_head`` (trainable, stepped by the generator's
-optimizer); stage 2 adds the frozen ``teacher`` and the trainable ``critic``; stage 1 adds the teacher only when
-``meanflow_cfg_scale`` != 1. Randomness is addressed by (seed, iteration, sample index, stream), so a resumed run
-repeats an uninterrupted one.
+Roles: ``generator`` and ``flow_head`` (trainable, one optimizer); stage 2 adds the frozen ``teacher``, the trainable
+``critic`` (and ``gan_heads``, stepped with it); stage 1 adds the teacher only when ``meanflow_cfg_scale`` != 1.
+Randomness is addressed by (seed, iteration, sample index, stream), so a resumed run repeats an uninterrupted one.
+The equations, the choices the paper leaves open and the code map: docs/methods/tmd.md.
 """
 
 from __future__ import annotations
@@ -41,14 +32,13 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow import add_noise, cfg_combine, critic_loss, gan_generator_loss
+from genrl.flow import add_noise, cfg_combine, gan_generator_loss
 from genrl.flow.tmd import (
-    adaptive_loss,
-    average_velocity,
     effective_nfe,
-    finite_difference_derivative,
-    meanflow_target,
+    outer_step,
     sample_inner_times,
+    sample_outer_point,
+    tm_meanflow_loss,
     transition_grid,
     vsd_gradient,
     vsd_loss,
@@ -64,6 +54,7 @@ from genrl.methods.common import (
 )
 from genrl.methods.distill import (
     ScoreRole,
+    critic_fm_step,
     dmd_noised,
     gan_critic_term,
     gan_layers_for,
@@ -88,7 +79,7 @@ from genrl.models.trunk import (  # re-exported: the export layout of a TMD run
     save_head,
     trunk_adapter,
 )
-from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.transition import TransitionConfig, inner_flow, load_transition_model, transition_rollout
 
 __all__ = ["TMD", "HEAD_CONFIG_FILE", "HEAD_WEIGHTS_FILE", "load_head", "load_transition_model", "save_head"]
@@ -139,10 +130,8 @@ class TMD(LightningModule):
         dmd_shift / min_timestep / max_timestep: stage 2's VSD noise level draw (shift 5, timesteps in [1, 999]).
         critic_updates_per_generator_update: DMD2's ratio (5).
         gan_weight: weight of DMD2-v's GAN term in the generator loss (stage 2; the paper: 0.03; 0 = none, no heads
-            built). GAN heads (:class:`~genrl.models.discriminator.FeatureGANHeads`) classify the frozen teacher's
-            features of noised data (real) against noised student samples (fake), at the critic's noise level; they
-            are trained with the critic's optimizer on the logistic loss, the generator on the non-saturating one
-            through the teacher.
+            built): :class:`~genrl.models.discriminator.FeatureGANHeads` on the frozen teacher's features tell noised
+            data from noised student samples, trained with the critic's optimizer (docs/methods/tmd.md, GAN term).
         gan_layers: block counts of the teacher after which its features are tapped (None: ``[round(0.53 L),
             round(0.77 L), L]``, the paper's layers 16 / 23 / 30 of Wan2.1-1.3B's 30).
         gan_channels: width of each GAN head (64).
@@ -158,46 +147,21 @@ class TMD(LightningModule):
             value), a family student without a teacher where one is needed.
     """
 
-    def __init__(
-        self,
-        generator: GeneratorSpec | None = None,
-        stage: Literal["meanflow", "dmd"] = "meanflow",
-        head_layers: int = 1,
-        gate_init: float = -4.0,
-        head_time: Literal["inner", "outer"] = "inner",
-        head_init: str | None = None,
-        outer_steps: int = 2,
-        inner_steps: int = 2,
-        outer_shift: float = 10.0,
-        inner_shift: float = 10.0,
-        t_max: float = 0.999,
-        parameterization: Literal["denoiser", "noise"] = "denoiser",
-        inner_time_shift: float = 3.0,
-        p_equal: float = 0.75,
-        fd_delta: float = 5e-3,
-        loss_c: float | None = None,
-        meanflow_cfg_scale: float = 1.0,
-        caption_dropout: float = 0.1,
-        teacher: ModelSpec | None = None,
-        critic: ModelSpec | None = None,
-        teacher_cfg_scale: float = 3.0,
-        negative_prompt: str = "",
-        dmd_shift: float = 5.0,
-        min_timestep: float = 1.0,
-        max_timestep: float = 999.0,
-        critic_updates_per_generator_update: int = 5,
-        gan_weight: float = 0.0,
-        gan_layers: list[int] | None = None,
-        gan_channels: int = 64,
-        lora: LoraSpec | None = None,
-        generator_optimizer: OptimizerCallable = torch.optim.AdamW,
-        critic_optimizer: OptimizerCallable = torch.optim.AdamW,
-        warmup_steps: int = 0,
-        max_grad_norm: float = 1.0,
-        rewards: list[dict[str, Any]] | None = None,
-        reward_combine: Literal["weighted_sum", "zscore_sum"] = "weighted_sum",
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, generator: GeneratorSpec | None = None, stage: Literal["meanflow", "dmd"] = "meanflow",
+                 head_layers: int = 1, gate_init: float = -4.0, head_time: Literal["inner", "outer"] = "inner",
+                 head_init: str | None = None, outer_steps: int = 2, inner_steps: int = 2, outer_shift: float = 10.0,
+                 inner_shift: float = 10.0, t_max: float = 0.999,
+                 parameterization: Literal["denoiser", "noise"] = "denoiser", inner_time_shift: float = 3.0,
+                 p_equal: float = 0.75, fd_delta: float = 5e-3, loss_c: float | None = None,
+                 meanflow_cfg_scale: float = 1.0, caption_dropout: float = 0.1, teacher: ModelSpec | None = None,
+                 critic: ModelSpec | None = None, teacher_cfg_scale: float = 3.0, negative_prompt: str = "",
+                 dmd_shift: float = 5.0, min_timestep: float = 1.0, max_timestep: float = 999.0,
+                 critic_updates_per_generator_update: int = 5, gan_weight: float = 0.0,
+                 gan_layers: list[int] | None = None, gan_channels: int = 64, lora: LoraSpec | None = None,
+                 generator_optimizer: OptimizerCallable = torch.optim.AdamW,
+                 critic_optimizer: OptimizerCallable = torch.optim.AdamW, warmup_steps: int = 0,
+                 max_grad_norm: float = 1.0, rewards: list[dict[str, Any]] | None = None,
+                 reward_combine: Literal["weighted_sum", "zscore_sum"] = "weighted_sum", seed: int = 0) -> None:
         super().__init__()
         if stage not in _STAGES:
             raise ValueError(f"stage must be one of {_STAGES}, got {stage!r}")
@@ -323,18 +287,16 @@ class TMD(LightningModule):
         return ScoreRole(self.generator, self.roles.get("teacher"))
 
     def _outer_point(self, x0: torch.Tensor, idx: torch.Tensor, it: int):
-        """(t_i [B], x1, x_{t_i}): an outer grid point t_M..t_1 drawn uniformly per sample and the noised data."""
-        seed = mix_seed(self.hparams.seed, it)
+        """(t_i [B], x1, x_{t_i}) of iteration ``it`` (:func:`~genrl.flow.tmd.sample_outer_point` on the outer grid)."""
         grid = transition_grid(self.sampler.outer_steps, self.sampler.outer_shift, self.sampler.t_max)
-        u = rand_per_sample((), seed, idx, stream=_S_OUTER)
-        k = (u * self.sampler.outer_steps).long().clamp_max(self.sampler.outer_steps - 1)
-        t = grid[k].to(device=x0.device, dtype=torch.float32)
-        x1 = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_X1, device=x0.device)
-        return t, x1, add_noise(x0, x1, t, frame_dim=self.frame_dim)
+        return sample_outer_point(x0, grid, mix_seed(self.hparams.seed, it), idx, _S_OUTER, _S_X1,
+                                  frame_dim=self.frame_dim)
 
     # ------------------------------------------------------------------ stage 1
     def meanflow_loss(self, x0: torch.Tensor, prompts: list[str], idx: torch.Tensor, it: int) -> dict:
-        """One TM-MeanFlow step's loss on data latents x0 [B, *latent] (see the module docstring)."""
+        """One TM-MeanFlow step's loss on data latents x0 [B, *latent] (:func:`~genrl.flow.tmd.tm_meanflow_loss`;
+        with ``meanflow_cfg_scale`` w != 1, y = x1 - x0 is shifted by w - 1 times the frozen teacher's guidance
+        direction v_T(x_t, c) - v_T(x_t, null), so that E[y | x_t] is the guided teacher velocity)."""
         h = self.hparams
         seed = mix_seed(h.seed, it)
         prompts = caption_dropout(prompts, h.caption_dropout, seed, idx, _S_DROPOUT, h.negative_prompt)
@@ -348,27 +310,11 @@ class TMD(LightningModule):
                 v_u = teacher.velocity(x_t, t, negative_cond(self, len(prompts))).float()
                 y = y + (cfg_combine(v_c, v_u, h.meanflow_cfg_scale) - v_c)
         inner = transition_grid(self.sampler.inner_steps, self.sampler.inner_shift, self.sampler.t_max)
-        s, r = sample_inner_times(seed, idx, 0, inner, shift=h.inner_time_shift, p_equal=h.p_equal,
-                                  device=x0.device)
+        s, r = sample_inner_times(seed, idx, 0, inner, shift=h.inner_time_shift, p_equal=h.p_equal, device=x0.device)
         y1 = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_INNER_NOISE, device=x0.device)
-        shape = (-1,) + (1,) * (x0.ndim - 1)
-        y_s = (1 - s.view(shape)) * y + s.view(shape) * y1
-        v = y1 - y
         feats = self.student.features(x_t, t, cond)
-        p = h.parameterization
-
-        def u_of(yy: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
-            return average_velocity(yy, ss, y1, self.student.head(yy, ss, r, feats, t).float(), p)
-
-        u = u_of(y_s, s)
-        with torch.no_grad():
-            dudt = finite_difference_derivative(u_of, y_s, s, v, delta=h.fd_delta)
-        target = meanflow_target(v, dudt, s, r)
-        c = float(x0[0].numel()) if h.loss_c is None else float(h.loss_c)
-        loss = adaptive_loss(u, target, c)
-        diff = u.detach() - target
-        return {"loss": loss, "mse": diff.pow(2).mean(), "r_equal_s": (r == s).float().mean(),
-                "u_minus_target": diff}
+        return tm_meanflow_loss(lambda y_s, s_: self.student.head(y_s, s_, r, feats, t).float(), y, y1, s, r,
+                                h.parameterization, h.fd_delta, h.loss_c)
 
     # ------------------------------------------------------------------ stage 2
     def student_sample(self, x0: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int) -> torch.Tensor:
@@ -380,8 +326,7 @@ class TMD(LightningModule):
         y1 = randn_per_sample(x0.shape[1:], mix_seed(self.hparams.seed, it), idx, stream=_S_INNER_NOISE,
                               device=x0.device)
         y_hat = inner_flow(self.student, feats, t, y1, inner, self.hparams.parameterization)
-        shape = (-1,) + (1,) * (x0.ndim - 1)
-        return x_t - t.view(shape) * y_hat.float()
+        return outer_step(x_t, t, 0.0, y_hat.float())
 
     def vsd_step_loss(self, x_hat: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int) -> dict:
         """DMD2-v's VSD loss of the generator's samples x_hat (with their graph)."""
@@ -403,23 +348,20 @@ class TMD(LightningModule):
 
     def critic_step_loss(self, x_hat: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int,
                          x0: torch.Tensor | None = None) -> dict:
-        """The critic's flow-matching loss on the student's samples (detached); with GAN heads, plus their logistic
-        loss on the teacher's features of the data latents ``x0`` (real) and the samples (fake), both noised at the
-        critic's sigma (independent noises)."""
+        """The critic's flow-matching step on the student's samples (:func:`~genrl.methods.distill.critic_fm_step`,
+        as DMD's); with GAN heads, plus their logistic loss on the teacher's features of the data latents ``x0``
+        (real) and the samples (fake), both noised at the critic's sigma (independent noises)."""
         h = self.hparams
-        x = x_hat.detach().float()
         seed = mix_seed(h.seed, it)
-        sigma, eps, x_sigma = dmd_noised(x, idx, seed, _S_CRITIC, h.dmd_shift, h.min_timestep,
-                                         h.max_timestep, frame_dim=self.frame_dim)
-        v = ScoreRole(self.generator, self.critic).velocity(x_sigma, sigma, cond)
-        out = {"loss": critic_loss(v, x, eps, frame_dim=self.frame_dim)}
+        out = critic_fm_step(self.generator, self.critic, x_hat, cond, idx, seed, _S_CRITIC, h.dmd_shift,
+                             h.min_timestep, h.max_timestep, self.frame_dim)
         if self.gan_heads is not None:
             if x0 is None:
                 raise ValueError("the GAN heads need the batch's data latents x0 (the real samples)")
             eps_real = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_GAN_REAL, device=x0.device)
-            real = add_noise(x0.float(), eps_real, sigma, frame_dim=self.frame_dim)
-            gan = gan_critic_term(self.gan_heads, self.generator, self.roles.get("teacher"), real, x_sigma, sigma,
-                                  cond, self.gan_layers)
+            real = add_noise(x0.float(), eps_real, out["sigma"], frame_dim=self.frame_dim)
+            gan = gan_critic_term(self.gan_heads, self.generator, self.roles.get("teacher"), real, out["x_sigma"],
+                                  out["sigma"], cond, self.gan_layers)
             out.update(gan=gan["loss"], gan_accuracy=gan["accuracy"], loss=out["loss"] + gan["loss"])
         return out
 
@@ -486,11 +428,10 @@ class TMD(LightningModule):
         state = full_state_dict(self.flow_head)
         if not write:
             return
+        h, c = self.hparams, self.sampler
         save_head(state, dirpath, {
-            "head_layers": self.hparams.head_layers, "head_time": self.hparams.head_time,
-            "gate_init": self.hparams.gate_init, "parameterization": self.hparams.parameterization,
-            "outer_steps": self.sampler.outer_steps,
-            "inner_steps": self.sampler.inner_steps, "outer_shift": self.sampler.outer_shift,
-            "inner_shift": self.sampler.inner_shift, "t_max": self.sampler.t_max,
+            "head_layers": h.head_layers, "head_time": h.head_time, "gate_init": h.gate_init,
+            "parameterization": h.parameterization, "outer_steps": c.outer_steps, "inner_steps": c.inner_steps,
+            "outer_shift": c.outer_shift, "inner_shift": c.inner_shift, "t_max": c.t_max,
             "effective_nfe": self.effective_nfe})
 
