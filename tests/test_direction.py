@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from genrl.cli import GenRLCLI
-from genrl.rewards import RewardModel, register_reward
+from genrl.rewards import RewardModel, ScoreJudge, register_judge, register_reward
 from genrl.rollout.sampler import RolloutConfig, rollout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +23,14 @@ class _Brightness(RewardModel):
 
     def score(self, pixels, prompts, **meta):
         return {"reward": pixels.float().mean(dim=(1, 2, 3, 4))}
+
+
+@register_judge("test_brightness")
+class _BrightnessJudge(ScoreJudge):
+    """The brighter of two samples wins (Pref-GRPO's win rates on the brightness toy reward)."""
+
+    def scores(self, pixels, prompts):
+        return pixels.float().mean(dim=(1, 2, 3, 4))
 
 
 _TINY_DIT = ["--model.init_args.generator.components={}", "--model.init_args.rewards=[{name: test_brightness}]",
@@ -37,6 +45,18 @@ _TINY_ENDPOINTS = ["--model.init_args.rollout.num_steps=3", "--model.init_args.r
 CASES = {
     "grpo": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml"],
              ["--model.init_args.clip_range=0.2", "--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    # GRPO's variants: the same tiny GRPO with another per-step loss, SDE window or reward
+    "grpo_guard": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml", "configs/grpo/shapes_guard.yaml"],
+                   ["--model.init_args.clip_range=0.2", "--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    "flow_dppo": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml", "configs/grpo/shapes_dppo.yaml"],
+                  ["--model.init_args.mini_batch_size=4", "--model.init_args.policy_loss_args={max_divergence: 1.0}",
+                   "--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    "mixgrpo": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml", "configs/grpo/shapes_mixgrpo.yaml"],
+                ["--model.init_args.rollout.window_iterations=1", "--model.init_args.clip_range=0.2",
+                 "--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    "pref_grpo": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml", "configs/grpo/shapes_pref.yaml"],
+                  ["--model.init_args.rewards=[{name: pairwise, judge: test_brightness}]",
+                   "--model.init_args.clip_range=0.2", "--model.init_args.optimizer.init_args.lr=0.003"], 4),
     "branch_grpo": (["configs/branch_grpo/shapes.yaml"],
                     ["--model.init_args.rollout.num_steps=4", "--model.init_args.tree.split_steps=[0,2]",
                      "--model.init_args.rollout.micro_batch_size=8", "--model.init_args.clip_range=0.2",
