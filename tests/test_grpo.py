@@ -248,3 +248,24 @@ def test_update_plan_cuts_passes_into_mini_batches_and_permutes_each_pass_by_its
     assert not torch.equal(torch.cat(update_plan(7, 4, 6, 3, 2)), torch.cat(two))  # the next iteration does not
     with pytest.raises(ValueError, match="mini_batch=0"):
         update_plan(0, 0, n=4, mini_batch=0)
+
+
+def test_variants_resume_equal_uninterrupted(tmp_path, monkeypatch, tiny_text_encoder):
+    """GRPO's variants together: MixGRPO's progressive window (a function of the checkpointed iteration), the
+    GRPO-Guard loss with the step's stored moments, and Pref-GRPO's win-rate reward resume exactly."""
+    variant = ["--config", str(ROOT / "configs/grpo/shapes_mixgrpo.yaml"), "--config",
+               str(ROOT / "configs/grpo/shapes_guard.yaml"), "--config", str(ROOT / "configs/grpo/shapes_pref.yaml"),
+               f"--model.init_args.generator.text_encoder={tiny_text_encoder}",
+               "--model.init_args.rollout.window_iterations=1"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    full = _fit(variant + ["--trainer.max_steps=4"])
+    after_full = _trainable(full)
+    assert full.model.rollout_config.sde_steps == "progressive" and full.model.hparams.policy_loss == "guard"
+    assert "reward/pairwise/reward" in full.trainer.logged_metrics
+    monkeypatch.chdir(tmp_path / "b")
+    _fit(variant + ["--trainer.max_steps=2"])
+    resumed = _fit(variant + ["--trainer.max_steps=4", "--ckpt_path=last"])
+    for k, v in _trainable(resumed).items():
+        assert torch.allclose(after_full[k], v, atol=1e-6, rtol=0), k
