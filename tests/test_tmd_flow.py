@@ -728,3 +728,123 @@ def test_tm_meanflow_loss_closed_form_denoiser_and_default_c():
         tm_meanflow_loss(lambda y_s, s_: y_s, y, y1, s[:1], r)
     with pytest.raises(ValueError, match="r must be a tensor"):
         tm_meanflow_loss(lambda y_s, s_: y_s, y, y1, s, 0.5)
+
+
+# ------------------------------------------------------------------------- the adaptive weight: squared norm or norm
+
+
+def test_adaptive_loss_both_weightings_in_closed_form():
+    """A hand case (float64): residuals e_b = u_b - target_b = (3, 4) and (1, 0), so ||e||^2 = (25, 1) and
+    ||e|| = (5, 1); with c = 2, "squared" (the TMD paper / MeanFlow) gives mean(25/27, 1/3) and per-sample gradients
+    2 e_b / ((||e_b||^2 + c) B); "norm" (FastGen's default) gives mean(25/7, 1/3) and 2 e_b / ((||e_b|| + c) B)."""
+    target = torch.tensor([[1.0, -1.0], [0.5, 2.0]], dtype=F64)
+    res = torch.tensor([[3.0, 4.0], [1.0, 0.0]], dtype=F64)
+    want = {"squared": ([25 / 27, 1 / 3], [27.0, 3.0]), "norm": ([25 / 7, 1 / 3], [7.0, 3.0])}
+    grads = {}
+    for norm, (values, denominators) in want.items():
+        u = (target + res).requires_grad_(True)
+        loss = adaptive_loss(u, target, c=2.0, norm=norm)
+        assert loss.dtype == F64
+        torch.testing.assert_close(loss, torch.tensor(sum(values) / 2, dtype=F64), rtol=0, atol=1e-15)
+        loss.backward()
+        expected = 2 * res / (torch.tensor(denominators, dtype=F64)[:, None] * 2)
+        torch.testing.assert_close(u.grad, expected, rtol=0, atol=1e-15)
+        grads[norm] = u.grad
+    # the option rescales each sample's gradient by (||e||^2 + c) / (||e|| + c): 27/7 and 3/3
+    torch.testing.assert_close(grads["norm"], grads["squared"] * torch.tensor([[27 / 7], [1.0]], dtype=F64),
+                               rtol=1e-14, atol=0)
+    # the default is the paper's form; the default c is d = 2 ("squared") or sqrt(d) ("norm"); power applies to both
+    u = target + res
+    assert adaptive_loss(u, target).item() == pytest.approx((25 / 27 + 1 / 3) / 2, abs=1e-15)
+    r2 = math.sqrt(2.0)
+    assert adaptive_loss(u, target, norm="norm").item() == pytest.approx((25 / (5 + r2) + 1 / (1 + r2)) / 2,
+                                                                         abs=1e-14)
+    assert adaptive_loss(u, target, c=2.0, power=0.5, norm="norm").item() == pytest.approx(
+        (25 / math.sqrt(7) + 1 / math.sqrt(3)) / 2, abs=1e-14)
+    assert adaptive_loss(u, target, power=0.0, norm="norm").item() == pytest.approx(13.0, abs=1e-13)
+    with pytest.raises(ValueError, match="unknown norm"):
+        adaptive_loss(u, target, norm="l1")
+
+
+def test_norm_weighting_has_fastgens_opt_grad_gradient_and_spatially_invariant_constant():
+    """FastGen's default MeanFlow loss, restated from its formula: tangent = target - sg(u), w = 1 / (||tangent|| +
+    c0)^p (detached), loss = mean_b ||u_b - sg(u_b + w_b tangent_b)||^2. Its gradient equals ``norm="norm"`` with
+    c = c0; with the tangent first scaled by 1 / sqrt(d) (``tangent_spatial_invariance``) and p = 1 it equals c =
+    c0 sqrt(d). Its value is ||e||^2 w^2, genrl's ||e||^2 w (same gradient, other logged value)."""
+    b, d, c0 = 3, 12, 0.7
+    u0, target = _randn(b, 3, 4, seed=11), _randn(b, 3, 4, seed=12)
+
+    def fastgen_like(invariant: bool, power: float = 1.0):
+        u = u0.clone().requires_grad_(True)
+        tangent = target - u.detach()
+        if invariant:
+            tangent = tangent / math.sqrt(d)
+        w = (tangent.flatten(1).norm(dim=1) + c0).pow(-power).view(b, 1, 1)
+        loss = (u - (u + w * tangent).detach()).pow(2).flatten(1).sum(1).mean()
+        loss.backward()
+        return loss.detach(), u.grad
+
+    def genrl(c: float, power: float = 1.0):
+        u = u0.clone().requires_grad_(True)
+        loss = adaptive_loss(u, target, c=c, power=power, norm="norm")
+        loss.backward()
+        return loss.detach(), u.grad
+
+    for power in (1.0, 0.75):
+        (fg_value, fg_grad), (value, grad) = fastgen_like(False, power), genrl(c0, power)
+        torch.testing.assert_close(grad, fg_grad, rtol=1e-13, atol=0)
+        n = (u0 - target).flatten(1).norm(dim=1)
+        torch.testing.assert_close(fg_value, (n.square() / (n + c0).pow(2 * power)).mean(), rtol=1e-13, atol=0)
+        torch.testing.assert_close(value, (n.square() / (n + c0).pow(power)).mean(), rtol=1e-13, atol=0)
+    _, fg_grad = fastgen_like(True)
+    _, grad = genrl(c0 * math.sqrt(d))
+    torch.testing.assert_close(grad, fg_grad, rtol=1e-13, atol=0)
+
+
+def test_tm_meanflow_loss_norm_option_closed_form():
+    """The linear-head case of test_tm_meanflow_loss_closed_form_noise_parameterization under ``norm="norm"``: the
+    same target and residual, the loss mean_b e_b / (sqrt(e_b) + c) and its gradient in a
+    mean_b 2 <u_b - target_b, -y_s_b> / (sqrt(e_b) + c)."""
+    y, y1 = _randn(3, 2, 2, seed=2), _randn(3, 2, 2, seed=3)
+    s = torch.tensor([0.7, 0.4, 0.9], dtype=F64)
+    r = torch.tensor([0.2, 0.4, 0.0], dtype=F64)
+    a = torch.tensor(0.3, dtype=F64, requires_grad=True)
+    out = tm_meanflow_loss(lambda y_s, s_: a * y_s, y, y1, s, r, "noise", delta=1e-3, c=2.0, norm="norm")
+    col = (-1, 1, 1)
+    y_s = (1 - s.view(col)) * y + s.view(col) * y1
+    u = y1 - a.detach() * y_s
+    target = (y1 - y) * (1 + a.detach() * (s - r).view(col))
+    e = (u - target).pow(2).flatten(1).sum(1)
+    torch.testing.assert_close(out["loss"], (e / (e.sqrt() + 2.0)).mean(), rtol=1e-10, atol=1e-12)
+    out["loss"].backward()
+    want = (2 * ((u - target) * -y_s).flatten(1).sum(1) / (e.sqrt() + 2.0)).mean()
+    torch.testing.assert_close(a.grad, want, rtol=1e-9, atol=1e-12)
+    squared = tm_meanflow_loss(lambda y_s, s_: a.detach() * y_s, y, y1, s, r, "noise", delta=1e-3, c=2.0)
+    torch.testing.assert_close(squared["loss"], (e / (e + 2.0)).mean(), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="unknown norm"):
+        tm_meanflow_loss(lambda y_s, s_: y_s, y, y1, s, r, norm="squared_l2")
+
+
+def test_tmd_passes_loss_norm_to_the_stage1_loss(tiny_policy, tiny_text_encoder):
+    """TMD(loss_norm=...) reaches the stage-1 loss: on one batch the residual is the same under both, and the loss is
+    each weighting's closed form of it with the default c (d, or sqrt(d)); an unknown value is refused early."""
+    from genrl.methods.tmd import TMD
+
+    model = TMD(generator={"family": "dit", "pretrained": tiny_policy, "text_encoder": tiny_text_encoder},
+                head_layers=1, caption_dropout=0.0, seed=3, loss_norm="norm")
+    model.configure_model()
+    x0 = torch.randn(2, 8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    prompts, idx = ["a red circle moving left", "a blue square moving up"], torch.tensor([0, 1])
+    out = {}
+    for norm in ("norm", "squared"):
+        model.hparams.loss_norm = norm
+        with torch.no_grad():
+            out[norm] = model.meanflow_loss(x0, prompts, idx, it=0)
+    diff = out["norm"]["u_minus_target"].double()
+    torch.testing.assert_close(out["squared"]["u_minus_target"].double(), diff, rtol=0, atol=0)
+    e, d = diff.flatten(1).square().sum(1), diff[0].numel()
+    torch.testing.assert_close(out["squared"]["loss"].double(), (e / (e + d)).mean(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(out["norm"]["loss"].double(), (e / (e.sqrt() + math.sqrt(d))).mean(), rtol=1e-5,
+                               atol=0)
+    with pytest.raises(ValueError, match="loss_norm"):
+        TMD(generator={"family": "dit", "pretrained": tiny_policy}, loss_norm="l2")

@@ -13,6 +13,10 @@ quality VQ, motion quality MQ, text alignment TA), under no gradient: the weight
   w_t[f] = max((1 - a_t) + a_t minmax_f(mean_hw S[f]), tau_min) / mean_f; spatial weights, per frame,
   w_s[f, h, w] = max((1 - a_s) + a_s minmax_hw(S[f]), sigma_min) / mean_hw; ``W_intra = w_t w_s`` divided by its
   mean, resized to the latent grid (trilinear) and renormalised to mean 1.
+* **Flat maps** (:func:`flat_maps`): a temporal profile or a frame whose range max - min is at most
+  ``flat_atol + flat_rtol * peak`` (peak = the sample's largest saliency) is *flat*: its weights are exactly 1 instead
+  of a min-max normalisation of round-off noise. The release treats a range at most 1e-8 (absolute) as flat; genrl
+  keeps that (``flat_atol = 1e-8``) and adds a relative part (``flat_rtol = 1e-6``), see :func:`flat_maps`.
 
 The generator loss is then ``dmd_loss(x, g, weight=W_inter * W_intra)`` (:func:`genrl.flow.dmd.dmd_loss`), whose
 gradient is W g / N. With beta = 0 and a flat saliency every weight is exactly 1.0 and the update is DMD's bit for
@@ -30,8 +34,13 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
-__all__ = ["balance_penalty", "final_reward", "fuse_saliency", "fusion_weights", "inter_weight", "intra_weight",
-           "spatial_weights", "temporal_weights", "to_latent_grid"]
+__all__ = ["FLAT_ATOL", "FLAT_RTOL", "balance_penalty", "final_reward", "flat_maps", "fuse_saliency", "fusion_weights",
+           "inter_weight", "intra_weight", "spatial_weights", "temporal_weights", "to_latent_grid"]
+
+#: the release's flat-map threshold: a saliency range at most this (absolute, the saliency's own units) is flat.
+FLAT_ATOL = 1e-8
+#: genrl's relative part of the flat-map threshold, a multiple of the sample's saliency peak (about 8 float32 ulps).
+FLAT_RTOL = 1e-6
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +111,7 @@ def fuse_saliency(saliency: torch.Tensor, rewards: torch.Tensor, temperature: fl
 
 
 def _minmax(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """(x - min) / (max - min) over ``dims``; 0 where the range is 0 (a flat map)."""
+    """(x - min) / (max - min) over ``dims``; 0 where the range is 0 (the flat mask replaces those weights)."""
     lo, hi = x.amin(dims, keepdim=True), x.amax(dims, keepdim=True)
     span = hi - lo
     return torch.where(span > 0, (x - lo) / torch.where(span > 0, span, 1), torch.zeros_like(x))
@@ -115,23 +124,75 @@ def _check_floor(strength: float, floor: float, what: str) -> None:
         raise ValueError(f"{what} floor must be in (0, 1] (so every weight stays positive), got {floor}")
 
 
-def temporal_weights(saliency: torch.Tensor, strength: float = 1.0, floor: float = 0.2) -> torch.Tensor:
+def _flat_masks(s: torch.Tensor, rtol: float, atol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(temporal [B], spatial [B, F]) flat masks of a checked saliency [B, F, H, W] (see :func:`flat_maps`)."""
+    if not (rtol >= 0 and atol >= 0):  # also refuses NaN
+        raise ValueError(f"flat_rtol and flat_atol must be >= 0 (0 and 0: only an exactly constant map is flat), "
+                         f"got {rtol} and {atol}")
+    tol = atol + rtol * s.abs().amax((1, 2, 3))  # [B]
+    p = s.mean((2, 3))
+    temporal = p.amax(1) - p.amin(1) <= tol
+    spatial = s.amax((2, 3)) - s.amin((2, 3)) <= tol[:, None]
+    return temporal, spatial
+
+
+def flat_maps(saliency: torch.Tensor, flat_rtol: float = FLAT_RTOL,
+              flat_atol: float = FLAT_ATOL) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which temporal profiles and which frames of a fused saliency are *flat* (their weights are exactly 1).
+
+    A map is flat when its range is at most ``flat_atol + flat_rtol * peak``, with peak = max |S| over the sample
+    (all frames): the temporal profile p_f = mean_hw S[f] over f, and each frame S[f] over (h, w), both against the
+    same per-sample peak (a frame whose saliency is tiny next to the sample's peak is flat).
+
+    The release (wangbei1/Stream-R1, its factored temporal x spatial normalisation) treats a range at most 1e-8 as
+    flat and gives that map weight 1; its 1e-8 is *absolute*, in the units of its saliency (float32 norms of the reward
+    logit's input gradient), whose scale depends on the reward model and the video size and is not known in
+    advance. An absolute threshold alone is therefore not scale-free, while the rest of W_intra is (min-max
+    normalisation ignores the map's scale): a nearly flat map of round-off noise at any peak other than ~1e-8 would
+    get full-strength weights. genrl keeps the release's absolute part (``flat_atol`` = 1e-8: whatever the release
+    calls flat is flat here) and adds a relative part, ``flat_rtol`` = 1e-6 (about 8 float32 ulps of the peak: the
+    saliency comes from the reward in float32, so trilinear resizing and fusion of a constant map leave a few ulps of
+    noise). ``flat_rtol = 0`` gives the release's rule exactly; ``flat_rtol = flat_atol = 0`` gives the earlier genrl
+    rule (only an exactly constant map is flat, any positive range is normalised).
+
+    Args:
+        saliency: the fused saliency [B, F, H, W], float (non-negative in use; the peak is taken of |S|).
+        flat_rtol: the relative part (>= 0; default :data:`FLAT_RTOL`).
+        flat_atol: the absolute part (>= 0, the saliency's units; default :data:`FLAT_ATOL`, the release's).
+
+    Returns:
+        (temporal bool [B], spatial bool [B, F]): True where the temporal profile / the frame is flat.
+
+    Raises:
+        ValueError: saliency not [B, F, H, W] or non-finite; a negative (or NaN) tolerance.
+    """
+    return _flat_masks(_check(saliency, 4, "saliency", "[B, F, H, W]"), flat_rtol, flat_atol)
+
+
+def temporal_weights(saliency: torch.Tensor, strength: float = 1.0, floor: float = 0.2,
+                     flat_rtol: float = FLAT_RTOL, flat_atol: float = FLAT_ATOL) -> torch.Tensor:
     """w_t [B, F]: p_f = mean_{h,w} S[f], min-max over frames, w = max((1 - a) + a p_hat, floor) / mean_f (so
-    mean_f w_t = 1, every w_t >= floor / max > 0, monotone in p_f). Saliency [B, F, H, W] non-negative."""
+    mean_f w_t = 1, every w_t >= floor / max > 0, monotone in p_f); exactly 1.0 for a sample whose profile is flat
+    (:func:`flat_maps`: range <= flat_atol + flat_rtol * peak). Saliency [B, F, H, W] non-negative."""
     _check_floor(strength, floor, "temporal")
     s = _check(saliency, 4, "saliency", "[B, F, H, W]")
+    flat, _ = _flat_masks(s, flat_rtol, flat_atol)
     p = _minmax(s.mean((2, 3)), (1,))
     w = torch.clamp((1 - strength) + strength * p, min=floor)
-    return w / w.mean(1, keepdim=True)
+    w = w / w.mean(1, keepdim=True)
+    return torch.where(flat[:, None], torch.ones_like(w), w)
 
 
-def spatial_weights(saliency: torch.Tensor, strength: float = 1.0, floor: float = 0.15) -> torch.Tensor:
+def spatial_weights(saliency: torch.Tensor, strength: float = 1.0, floor: float = 0.15,
+                    flat_rtol: float = FLAT_RTOL, flat_atol: float = FLAT_ATOL) -> torch.Tensor:
     """w_s [B, F, H, W]: per frame, min-max over (h, w), w = max((1 - a) + a S_hat, floor) / mean_{h,w} (each
-    frame's mean is 1)."""
+    frame's mean is 1); exactly 1.0 on a flat frame (:func:`flat_maps`)."""
     _check_floor(strength, floor, "spatial")
     s = _check(saliency, 4, "saliency", "[B, F, H, W]")
+    _, flat = _flat_masks(s, flat_rtol, flat_atol)
     w = torch.clamp((1 - strength) + strength * _minmax(s, (2, 3)), min=floor)
-    return w / w.mean((2, 3), keepdim=True)
+    w = w / w.mean((2, 3), keepdim=True)
+    return torch.where(flat[:, :, None, None], torch.ones_like(w), w)
 
 
 def to_latent_grid(weight: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
@@ -148,14 +209,16 @@ def to_latent_grid(weight: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
 
 def intra_weight(saliency: torch.Tensor, rewards: torch.Tensor | None = None, grid: Sequence[int] | None = None,
                  temperature: float = 1.0, temporal_strength: float = 1.0, temporal_floor: float = 0.2,
-                 spatial_strength: float = 1.0, spatial_floor: float = 0.15) -> torch.Tensor:
+                 spatial_strength: float = 1.0, spatial_floor: float = 0.15, flat_rtol: float = FLAT_RTOL,
+                 flat_atol: float = FLAT_ATOL) -> torch.Tensor:
     """W_intra [B, F', H', W'] from the per-dimension saliency [B, D, F, H, W] (fused with ``rewards`` [B, D]) or a
     fused one [B, F, H, W]: w_t * w_s renormalised to mean 1, on ``grid`` (None: the saliency's grid). Positive
-    everywhere, mean 1 per sample; exactly 1.0 everywhere for a flat saliency on its own grid.
+    everywhere, mean 1 per sample; exactly 1.0 everywhere for a sample whose profile and frames are all flat
+    (:func:`flat_maps`: range <= ``flat_atol + flat_rtol * peak``; 0 and 0: only a constant map) on its own grid.
 
     Raises:
         ValueError: bad shapes, non-finite values, a negative saliency, strengths outside [0, 1], floors outside
-            (0, 1], a per-dimension saliency without ``rewards``.
+            (0, 1], a negative tolerance, a per-dimension saliency without ``rewards``.
     """
     if saliency.dim() == 5:
         if rewards is None:
@@ -165,7 +228,7 @@ def intra_weight(saliency: torch.Tensor, rewards: torch.Tensor | None = None, gr
         s = _check(saliency, 4, "saliency", "[B, F, H, W] or [B, D, F, H, W]")
     if bool((s < 0).any()):
         raise ValueError("saliency must be non-negative (a gradient norm)")
-    w = temporal_weights(s, temporal_strength, temporal_floor)[:, :, None, None] * spatial_weights(
-        s, spatial_strength, spatial_floor)
+    w = temporal_weights(s, temporal_strength, temporal_floor, flat_rtol, flat_atol)[:, :, None, None] * \
+        spatial_weights(s, spatial_strength, spatial_floor, flat_rtol, flat_atol)
     w = w / w.mean((1, 2, 3), keepdim=True)
     return to_latent_grid(w, grid) if grid is not None else w

@@ -55,6 +55,8 @@ from genrl.noise import NoiseBackend, rand_per_sample, randn_per_sample
 
 __all__ = [
     "INNER_TIME_STREAM",
+    "LOSS_NORMS",
+    "LossNorm",
     "PARAMETERIZATIONS",
     "Parameterization",
     "adaptive_loss",
@@ -75,6 +77,11 @@ __all__ = [
 Parameterization = Literal["denoiser", "noise"]
 #: the accepted values of every ``parameterization`` argument (see the module docstring).
 PARAMETERIZATIONS = ("denoiser", "noise")
+
+LossNorm = Literal["squared", "norm"]
+#: the accepted values of every ``norm`` / ``loss_norm`` argument: what the adaptive loss weight is a function of
+#: (:func:`adaptive_loss`): the squared residual norm (MeanFlow's and TMD's equation) or the norm (FastGen's default).
+LOSS_NORMS = ("squared", "norm")
 
 #: the default noise stream of :func:`sample_inner_times`: s is drawn on this stream, the r = s coin on the next.
 INNER_TIME_STREAM = 3000
@@ -486,33 +493,54 @@ def meanflow_target(
 
 
 def adaptive_loss(
-    u: torch.Tensor, target: torch.Tensor, c: float | None = None, power: float = 1.0
+    u: torch.Tensor, target: torch.Tensor, c: float | None = None, power: float = 1.0, norm: LossNorm = "squared"
 ) -> torch.Tensor:
-    """MeanFlow's adaptively weighted squared error ``mean_b e_b / sg(e_b + c)^power``, ``e_b = ||u_b - target_b||^2``.
+    """MeanFlow's adaptively weighted squared error ``mean_b e_b / sg(a_b + c)^power``, ``e_b = ||u_b - target_b||^2``.
 
-    ``e_b`` is the sum of squares over sample b's elements. Because the weight is detached, the gradient is that
-    of the plain squared error scaled per sample: ``d/du_b = 2 (u_b - target_b) / ((e_b + c)^power B)``; the
-    value, ``e_b / (e_b + c)`` for power 1, lies in [0, 1). MeanFlow uses power 1 with a small c; TMD uses
-    power 1 and c = d, the number of elements per sample (the default).
+    ``e_b`` is the sum of squares over sample b's elements, ``n_b = sqrt(e_b)`` its L2 norm, and ``a_b`` what the
+    weight is a function of (``norm``):
+
+    * ``"squared"`` (default): ``a_b = e_b``. MeanFlow's adaptive loss weighting (Geng et al. 2025, arXiv 2505.13447:
+      w = 1 / (||Delta||^2 + c)^p) with p = 1, which is the TMD paper's stage-1 loss
+      ``||u - u_tgt||^2 / sg(||u - u_tgt||^2 + c)`` with c = d (Wan2.1-1.3B) or 1e-5 d (14B); NVIDIA FastGen's
+      MeanFlow with ``loss_type="l2"``, ``norm_method="poly_<p>"``, ``norm_const=c`` (same value and gradient).
+      Gradient ``2 (u_b - target_b) / ((e_b + c)^power B)``; the value, ``e_b / (e_b + c)`` for power 1, lies in
+      [0, 1). Default c = d, the elements per sample.
+    * ``"norm"``: ``a_b = n_b``, the weight divides by the norm rather than its square: NVIDIA FastGen's MeanFlow
+      default (NVlabs/FastGen, fastgen/methods/consistency_model/mean_flow.py: ``loss_type="opt_grad"``,
+      ``norm_method="poly_<p>"``, ``norm_const=c``). Gradient ``2 (u_b - target_b) / ((n_b + c)^power B)``,
+      identical to FastGen's; the value here is ``e_b / (n_b + c)^power``, the loss whose gradient that is (FastGen
+      logs ``e_b / (n_b + c)^(2 power)``, so logged curves differ while the updates agree). For power 1 and c -> 0
+      it is the gradient of ``2 n_b`` (an L2, not squared-L2, loss). Default c = sqrt(d): the weight's knee sits at
+      an RMS residual of 1, as with c = d under ``"squared"``. FastGen's ``tangent_spatial_invariance=True`` (the
+      residual divided by sqrt(d) before the weight) with constant c0 and power 1 equals ``"norm"`` with
+      c = c0 sqrt(d).
+
+    Because the weight is detached, either gradient is that of the plain squared error scaled per sample.
 
     Args:
         u: the model's average velocity [B, ...], carrying the graph.
         target: the target (:func:`meanflow_target`), shape of u; detached here.
-        c: the constant > 0 (default: d = u[0].numel()).
+        c: the constant > 0 (default: d = u[0].numel() under ``"squared"``, sqrt(d) under ``"norm"``).
         power: the weight's exponent p >= 0 (0: the plain per-sample sum of squares, averaged over the batch).
+        norm: ``"squared"`` or ``"norm"`` (:data:`LOSS_NORMS`), see above.
 
     Returns:
         0-d tensor, float32 (float64 when an input is float64).
 
     Raises:
-        ValueError: shapes differ, u has no batch dim, c not > 0, power < 0.
+        ValueError: shapes differ, u has no batch dim, c not > 0, power < 0, an unknown ``norm``.
     """
+    if norm not in LOSS_NORMS:
+        raise ValueError(f"unknown norm {norm!r}; use 'squared' (weight 1 / (||e||^2 + c)^p: MeanFlow, the TMD paper) "
+                         f"or 'norm' (weight 1 / (||e|| + c)^p: FastGen's MeanFlow default)")
     if target.shape != u.shape:
         raise ValueError(f"target of shape {tuple(target.shape)} must match u of shape {tuple(u.shape)}")
     if u.ndim < 1 or u.shape[0] < 1:
         raise ValueError(f"u must have a non-empty batch dim, got shape {tuple(u.shape)}")
     b = u.shape[0]
-    c = float(u[0].numel()) if c is None else _check_number("c", c)
+    d = float(u[0].numel())
+    c = (d if norm == "squared" else math.sqrt(d)) if c is None else _check_number("c", c)
     if not c > 0:
         raise ValueError(f"c must be > 0, got {c}")
     power = _check_number("power", power)
@@ -520,7 +548,8 @@ def adaptive_loss(
         raise ValueError(f"power must be >= 0, got {power}")
     dt = compute_dtype(u, target)
     err = (u.to(dt) - target.detach().to(dt)).square().reshape(b, -1).sum(dim=1)
-    weight = (err.detach() + c).pow(-power)
+    scale = err.detach() if norm == "squared" else err.detach().sqrt()
+    weight = (scale + c).pow(-power)
     return (err * weight).mean()
 
 
@@ -533,6 +562,7 @@ def tm_meanflow_loss(
     parameterization: Parameterization = "denoiser",
     delta: float = 5e-3,
     c: float | None = None,
+    norm: LossNorm = "squared",
 ) -> dict[str, torch.Tensor]:
     """TMD's stage-1 (TM-MeanFlow) loss of one batch, assembled from the flow head's outputs.
 
@@ -554,14 +584,19 @@ def tm_meanflow_loss(
         s, r: inner times [B] (:func:`sample_inner_times`), 0 <= r <= s <= 1 (s > 0 for ``"denoiser"``).
         parameterization: ``"denoiser"`` or ``"noise"`` (:func:`average_velocity`).
         delta: the finite-difference step (0 < delta, 2 delta <= 1).
-        c: the adaptive loss's constant (None: d, the elements per sample).
+        c: the adaptive loss's constant (None: d, the elements per sample, under ``"squared"``; sqrt(d) under
+            ``"norm"``).
+        norm: what the adaptive weight divides by (:func:`adaptive_loss`): ``"squared"``, ``(||u - target||^2 +
+            c)`` (the TMD paper's equation, MeanFlow's weighting; default) or ``"norm"``, ``(||u - target|| + c)``
+            (NVIDIA FastGen's MeanFlow default).
 
     Returns:
         ``{"loss": 0-d with graph through head, "mse": mean (u - target)^2, "r_equal_s": fraction of r == s,
         "u_minus_target": u - target [B, ...] detached}``; float32 (float64 when the inputs are float64).
 
     Raises:
-        ValueError: y1 not of y's shape, s or r not [B], or as the composed functions (delta, c, parameterization).
+        ValueError: y1 not of y's shape, s or r not [B], or as the composed functions (delta, c, norm,
+            parameterization).
     """
     if y1.shape != y.shape:
         raise ValueError(f"y1 of shape {tuple(y1.shape)} must match y of shape {tuple(y.shape)}")
@@ -579,7 +614,7 @@ def tm_meanflow_loss(
     with torch.no_grad():
         dudt = finite_difference_derivative(u_of, y_s, s, v, delta=delta)
     target = meanflow_target(v, dudt, s, r)
-    loss = adaptive_loss(u, target, c)
+    loss = adaptive_loss(u, target, c, norm=norm)
     diff = u.detach() - target
     return {"loss": loss, "mse": diff.pow(2).mean(), "r_equal_s": (r == s).float().mean(), "u_minus_target": diff}
 

@@ -11,13 +11,16 @@ copied). At every generator update it
 2. keeps the balance history (the batch mean of each dimension, last ``window`` updates; checkpointed) and computes
    W_inter = exp(beta (mean_d z_d - lambda P)) per rollout (:mod:`genrl.flow.stream_r1`);
 3. takes the reward's input-gradient saliency per dimension on the latent grid, fuses it (softmax(-z / T): the
-   weakest dimension weighs most) and turns it into W_intra (temporal x spatial, floors, mean 1);
+   weakest dimension weighs most) and turns it into W_intra (temporal x spatial, floors, mean 1; a flat temporal
+   profile or frame, range <= ``flat_atol + flat_rtol * peak``, gets weight exactly 1, as in the release);
 4. returns W = W_inter W_intra (detached), so the generator's gradient is W g / N; the critic's loss is unchanged.
 
 No gradient reaches the student through the reward: the weights are constants (computed from a detached copy of
 x). A rollout whose reward failed (NaN) gets W = 1 (plain DMD) and is counted in ``stream_r1/invalid``. Logged every
 generator update: ``stream_r1/w_inter_{mean,min,max}``, ``stream_r1/r_final``, ``stream_r1/penalty``,
-``stream_r1/w_intra_{min,max,std}``, ``stream_r1/fusion_<dim>`` and ``stream_r1/<dim>`` (batch means).
+``stream_r1/w_intra_{min,max,std}``, ``stream_r1/fusion_<dim>`` and ``stream_r1/<dim>`` (batch means); with ``intra``
+on, ``stream_r1/flat_temporal`` (the fraction of valid rollouts whose temporal profile is flat) and
+``stream_r1/flat_spatial`` (the fraction of their frames that are flat).
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from genrl.flow.stream_r1 import balance_penalty, final_reward, fusion_weights, inter_weight, intra_weight
+from genrl.flow.stream_r1 import (
+    FLAT_ATOL,
+    FLAT_RTOL,
+    balance_penalty,
+    final_reward,
+    flat_maps,
+    fuse_saliency,
+    fusion_weights,
+    inter_weight,
+    intra_weight,
+)
 from genrl.methods.common import gather_batch
 from genrl.rewards import RewardManager
 
@@ -52,16 +65,22 @@ class StreamR1Weighting(nn.Module):
             balance penalty's weight lambda (release 0.5); temperature: the fusion softmax's T (release 1).
         temporal_strength / temporal_floor / spatial_strength / spatial_floor: a_t, tau_min, a_s, sigma_min (release
             1, 0.2, 1, 0.15).
+        flat_rtol / flat_atol: a temporal profile or frame of the fused saliency whose range is at most
+            ``flat_atol + flat_rtol * peak`` (peak: the rollout's largest saliency) is flat and weighs exactly 1
+            (:func:`genrl.flow.stream_r1.flat_maps`). The release's rule is absolute, range <= 1e-8 (``flat_rtol:
+            0``); genrl's default adds the relative 1e-6 so that round-off in a nearly flat map at any scale is
+            not normalised to full-strength weights; 0 and 0: only an exactly constant map is flat.
 
     Raises:
-        ValueError: no dimension, a non-positive std, an even / odd window problem (from the weights), beta < 0.
+        ValueError: no dimension, a non-positive std, an even / odd window problem (from the weights), beta < 0, a
+            negative flat tolerance.
     """
 
     def __init__(self, reward: dict[str, Any] | None = None, dimensions: list[str] | None = None,
                  normalization: dict[str, list[float]] | None = None, inter: bool = True, intra: bool = True,
                  beta: float = 2.0, window: int = 50, lam: float = 0.5, temperature: float = 1.0,
                  temporal_strength: float = 1.0, temporal_floor: float = 0.2, spatial_strength: float = 1.0,
-                 spatial_floor: float = 0.15) -> None:
+                 spatial_floor: float = 0.15, flat_rtol: float = FLAT_RTOL, flat_atol: float = FLAT_ATOL) -> None:
         super().__init__()
         self.reward_spec = dict(reward or {"name": "shapes_video"})
         self.dimensions = list(dimensions or ["visual_quality", "motion_quality", "text_alignment"])
@@ -78,7 +97,11 @@ class StreamR1Weighting(nn.Module):
             raise ValueError(f"beta must be >= 0 (release: 2.0; 0 turns the inter weight off), got {beta}")
         if window < 2 or window % 2:
             raise ValueError(f"window must be an even number >= 2 (release: 50), got {window}")
+        if not (flat_rtol >= 0 and flat_atol >= 0):
+            raise ValueError(f"flat_rtol and flat_atol must be >= 0 (release: 0 and 1e-8), got {flat_rtol} and "
+                             f"{flat_atol}")
         self.inter, self.intra = inter, intra
+        self.flat_rtol, self.flat_atol = flat_rtol, flat_atol
         self.beta, self.window, self.lam, self.temperature = beta, window, lam, temperature
         self.temporal = (temporal_strength, temporal_floor)
         self.spatial = (spatial_strength, spatial_floor)
@@ -142,22 +165,30 @@ class StreamR1Weighting(nn.Module):
             maps = model.saliency(pixels, prompts, dims=self.dimensions, out_shape=grid)
             sal = torch.stack([maps[d].double() for d in self.dimensions], 1)  # [B, D, F, H, W]
             sal = torch.nan_to_num(sal, nan=0.0, posinf=0.0)
-            w_intra = intra_weight(sal, z_ok, None, self.temperature, *self.temporal, *self.spatial)
+            fused = fuse_saliency(sal, z_ok, self.temperature)  # [B, F, H, W]
+            w_intra = intra_weight(fused, None, None, self.temperature, *self.temporal, *self.spatial,
+                                   self.flat_rtol, self.flat_atol)
             w_intra = torch.where(valid[:, None, None, None], w_intra, torch.ones_like(w_intra))
+            flat_t, flat_s = flat_maps(fused, self.flat_rtol, self.flat_atol)
+            flat = (flat_t[valid], flat_s[valid])  # the valid rollouts' masks, [n] and [n, F]
         else:
             w_intra = torch.ones(b, *grid, dtype=torch.float64)
+            flat = None
         weight = (w_inter[:, None, None, None] * w_intra).float()
         weight = weight.unsqueeze(2) if fd == 1 else weight.unsqueeze(1)
-        self._log(method, raw, valid, z_ok, r_final, penalty, w_inter, w_intra, b)
+        self._log(method, raw, valid, z_ok, r_final, penalty, w_inter, w_intra, b, flat)
         return weight.to(x.device)
 
-    def _log(self, method, raw, valid, z, r_final, penalty, w_inter, w_intra, b) -> None:
+    def _log(self, method, raw, valid, z, r_final, penalty, w_inter, w_intra, b, flat=None) -> None:
         fusion = fusion_weights(z, self.temperature).mean(0)
         stats = {"stream_r1/w_inter_mean": float(w_inter.mean()), "stream_r1/w_inter_min": float(w_inter.min()),
                  "stream_r1/w_inter_max": float(w_inter.max()), "stream_r1/r_final": float(r_final.mean()),
                  "stream_r1/penalty": penalty, "stream_r1/w_intra_min": float(w_intra.min()),
                  "stream_r1/w_intra_max": float(w_intra.max()), "stream_r1/w_intra_std": float(w_intra.std()),
                  "stream_r1/invalid": float((~valid).sum())}
+        if flat is not None:  # fractions over the valid rollouts (NaN when none is valid)
+            stats["stream_r1/flat_temporal"] = float(flat[0].double().mean()) if flat[0].numel() else math.nan
+            stats["stream_r1/flat_spatial"] = float(flat[1].double().mean()) if flat[1].numel() else math.nan
         for i, d in enumerate(self.dimensions):
             stats[f"stream_r1/fusion_{d}"] = float(fusion[i])
             ok = raw[valid, i]

@@ -34,6 +34,7 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow import add_noise, cfg_combine, gan_generator_loss
 from genrl.flow.tmd import (
+    LOSS_NORMS,
     effective_nfe,
     outer_step,
     sample_inner_times,
@@ -119,7 +120,12 @@ class TMD(LightningModule):
         inner_time_shift: shift of the stage-1 inner time draw (3).
         p_equal: probability of r = s in stage 1 (0.75).
         fd_delta: step of the finite-difference derivative (5e-3).
-        loss_c: the adaptive loss's constant c (None: the latent dimension d, the paper's choice for Wan2.1-1.3B).
+        loss_c: the adaptive loss's constant c (None: the latent dimension d, the paper's choice for Wan2.1-1.3B, under
+            ``loss_norm: squared``; sqrt(d) under ``norm``).
+        loss_norm: what stage 1's adaptive loss weight divides by (:func:`genrl.flow.tmd.adaptive_loss`):
+            ``"squared"`` (default), ``||u - target||^2 + c``, the TMD paper's equation and MeanFlow's weighting; or
+            ``"norm"``, ``||u - target|| + c``, NVIDIA FastGen's MeanFlow default (``loss_type="opt_grad"``). Which
+            one the paper's numbers use and how to port a FastGen config: docs/methods/tmd.md, stage 1.
         meanflow_cfg_scale: CFG scale w of the stage-1 target (1: none; the paper: 3).
         caption_dropout: probability of training a sample on ``negative_prompt`` (stage 1; 0.1).
         teacher: the frozen teacher transformer (:class:`ModelSpec`; default: the student's ``pretrained`` folder for
@@ -143,8 +149,8 @@ class TMD(LightningModule):
         rewards / reward_combine: validation rewards (default: the shapes verifier).
         seed: seed of all randomness.
     Raises:
-        ValueError: an unknown stage or head_time, probabilities / shifts / step counts out of range (each names the
-            value), a family student without a teacher where one is needed.
+        ValueError: an unknown stage, head_time or loss_norm, probabilities / shifts / step counts out of range (each
+            names the value), a family student without a teacher where one is needed.
     """
 
     def __init__(self, generator: GeneratorSpec | None = None, stage: Literal["meanflow", "dmd"] = "meanflow",
@@ -153,6 +159,7 @@ class TMD(LightningModule):
                  inner_shift: float = 10.0, t_max: float = 0.999,
                  parameterization: Literal["denoiser", "noise"] = "denoiser", inner_time_shift: float = 3.0,
                  p_equal: float = 0.75, fd_delta: float = 5e-3, loss_c: float | None = None,
+                 loss_norm: Literal["squared", "norm"] = "squared",
                  meanflow_cfg_scale: float = 1.0, caption_dropout: float = 0.1, teacher: ModelSpec | None = None,
                  critic: ModelSpec | None = None, teacher_cfg_scale: float = 3.0, negative_prompt: str = "",
                  dmd_shift: float = 5.0, min_timestep: float = 1.0, max_timestep: float = 999.0,
@@ -175,6 +182,9 @@ class TMD(LightningModule):
             raise ValueError(f"fd_delta must be in (0, 0.5), got {fd_delta}")
         if loss_c is not None and loss_c < 0:
             raise ValueError(f"loss_c must be >= 0 (or None for the latent dimension), got {loss_c}")
+        if loss_norm not in LOSS_NORMS:
+            raise ValueError(f"loss_norm must be one of {LOSS_NORMS} ('squared': the paper's ||e||^2 + c; 'norm': "
+                             f"FastGen's ||e|| + c), got {loss_norm!r}")
         if critic_updates_per_generator_update < 1:
             raise ValueError(f"critic_updates_per_generator_update must be >= 1, got "
                              f"{critic_updates_per_generator_update}")
@@ -314,7 +324,7 @@ class TMD(LightningModule):
         y1 = randn_per_sample(x0.shape[1:], seed, idx, stream=_S_INNER_NOISE, device=x0.device)
         feats = self.student.features(x_t, t, cond)
         return tm_meanflow_loss(lambda y_s, s_: self.student.head(y_s, s_, r, feats, t).float(), y, y1, s, r,
-                                h.parameterization, h.fd_delta, h.loss_c)
+                                h.parameterization, h.fd_delta, h.loss_c, h.loss_norm)
 
     # ------------------------------------------------------------------ stage 2
     def student_sample(self, x0: torch.Tensor, cond: Conditioning, idx: torch.Tensor, it: int) -> torch.Tensor:
