@@ -69,3 +69,43 @@ def test_pruning_trains_fewer_edges_and_bad_input(tmp_path, monkeypatch, tiny_po
         _fit(tiny_policy, tiny_text_encoder, ["--model.init_args.tree.split_steps=[0,7]"], run=False)
     with pytest.raises(ValueError, match="no edge to train"):
         _fit(tiny_policy, tiny_text_encoder, ["--trainer.max_steps=1", "--model.init_args.prune_depths=[1,2,3,4]"])
+
+
+def test_sliding_window_and_step_ratio_change_the_edges_trained(tmp_path, monkeypatch, tiny_policy,
+                                                                tiny_text_encoder):
+    """4 iterations, 2 trees of 4 steps split at {0, 2}: per tree 2, 2, 4, 4 edges into depths 1..4 (24 in all).
+    The window [3, 4] slides every 2 iterations down to the last split step 2 (one move: shift = min(floor(s / 2),
+    1), s the 1-based iteration) and pruning stops after floor(6 * 0.5) = 3 iterations: iteration 0 prunes depths
+    3, 4 (16 edges: 8 trained), iterations 1 and 2 depths 2, 3 (12: 12 trained), iteration 3 nothing (24)."""
+    from genrl.methods.branch_grpo import BranchGRPO
+
+    monkeypatch.chdir(tmp_path)
+    trained: list[float] = []
+    real_log = BranchGRPO.log
+
+    def spy(self, name, value, *args, **kwargs):
+        if name == "tree/edges_trained":
+            trained.append(float(value))
+        return real_log(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(BranchGRPO, "log", spy)
+    cli = _fit(tiny_policy, tiny_text_encoder, ["--trainer.max_steps=4", "--model.init_args.prune_depths=[3,4]",
+                                                "--model.init_args.prune_slide_interval=2",
+                                                "--model.init_args.prune_step_ratio=0.5",
+                                                "--model.init_args.prune_total_iterations=6"])
+    assert trained == [8.0, 12.0, 12.0, 24.0]
+    assert float(cli.trainer.logged_metrics["tree/edges"]) == 24
+    assert [cli.model.pruning_at(i) for i in range(4)] == [([3, 4], 0.0), ([2, 3], 0.0), ([2, 3], 0.0), ([], 0.0)]
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--model.init_args.prune_slide_interval=2"], "prune_depths is empty"),
+    (["--model.init_args.prune_depths=[3]", "--model.init_args.prune_slide_stop_depth=1"],
+     "prune_slide_interval is null"),
+    (["--model.init_args.prune_depths=[2,3]", "--model.init_args.prune_slide_interval=2"],
+     r"stop depth 2 for the window \[2, 3\]: it could never move"),
+    (["--model.init_args.prune_step_ratio=0.5"], r"prune_total_iterations=None: a pruning step ratio 0.5 < 1 needs"),
+])
+def test_bad_pruning_schedules_are_refused_at_construction(tiny_policy, tiny_text_encoder, args, match):
+    with pytest.raises(ValueError, match=match):
+        _fit(tiny_policy, tiny_text_encoder, args, run=False)

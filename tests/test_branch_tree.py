@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from genrl.flow.policy import clipped_policy_loss, group_advantages
-from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
+from genrl.flow.tree_advantages import (
+    depthwise_advantages,
+    fuse_rewards,
+    prune_edges,
+    pruning_active,
+    sliding_prune_depths,
+)
 from genrl.models import DiTGenerator, TextEncoder, VideoDiT
 from genrl.rollout import RolloutConfig, Trajectory, transition_log_prob
 from genrl.rollout.tree import TreeConfig, edge_log_prob, regenerate_leaf, tree_rollout
@@ -204,15 +210,20 @@ def test_prune_edges_chain_ties_keep_the_shallow_edges_of_a_long_chain():
     assert torch.equal(keep, steps <= 10)
 
 
-def test_prune_edges_extremes_ties_break_by_depth_then_edge_order():
-    """Extremes width pruning with all advantages tied ranks the 76 last-layer edges by depth, then edge order
-    (stable sorts): it keeps the first 19 (steps 1-4 and chains 0-2 of step 5) and the last 19 (chains 1-3 of
-    step 15 and steps 16-19), plus the 4 edges at the split."""
+def test_prune_edges_extremes_ties_follow_the_reference_depth_first_order():
+    """Extremes width pruning with all advantages tied ranks the 76 last-layer edges in the BranchGRPO code's
+    depth-first order (chain, then depth): the 19 best are the earliest (the whole chain 0), the 19 worst the
+    latest (the whole chain 3), plus the 4 edges at the split. (genrl before issue 48 broke these ties by depth:
+    steps 1-4 and 16-19 of every chain.) Without a chain id (none given, no ``edges["child"]``) it is refused."""
     edges, chain = _one_split_tree()
     steps = edges["step"]
-    keep = prune_edges(edges, torch.zeros(steps.shape[0]), [0], 20, width_ratio=0.5, width_mode="extremes")
-    expected = (steps <= 4) | (steps >= 16) | ((steps == 5) & (chain <= 2)) | ((steps == 15) & (chain >= 1))
-    assert torch.equal(keep, expected)
+    keep = prune_edges(edges, torch.zeros(steps.shape[0]), [0], 20, width_ratio=0.5, width_mode="extremes",
+                       chain_id=chain)
+    assert torch.equal(keep, (steps == 0) | (chain == 0) | (chain == 3))
+    assert torch.equal(prune_edges({**edges, "child": chain}, torch.zeros(steps.shape[0]), [0], 20, width_ratio=0.5,
+                                   width_mode="extremes"), keep)
+    with pytest.raises(ValueError, match=r"extremes' needs chain_id or edges\['child'\]"):
+        prune_edges(edges, torch.zeros(steps.shape[0]), [0], 20, width_ratio=0.5, width_mode="extremes")
 
 
 def test_single_split_at_step_zero_is_flat_grpo(gen):
@@ -496,3 +507,173 @@ def test_tree_config_bounds_name_the_bad_value():
         TreeConfig(max_frontier=0)
     ok = TreeConfig(split_steps=[0], split_noise_scale=1e-3, max_frontier=1)
     assert ok.split_noise_scale == 1e-3 and ok.max_frontier == 1
+
+
+# ================================================================================================ pruning schedule
+# (issue 48): the sliding depth window and the pruning step ratio, pure functions of (options, iteration), checked
+# on hand-built trees; width pruning's ratio and ties against a transcription of the BranchGRPO code's formulas
+
+
+def _hand_tree(split_steps: list[int], num_steps: int, leaf_rewards: torch.Tensor | None = None, trees: int = 1,
+               factor: int = 2):
+    """The edges of ``trees`` trees of a TreeConfig (branch factor ``factor``) built by hand, as
+    TreeRollout.edges() lists them (by step, then child; children ordered by tree, then path), and, given leaf
+    rewards [trees * leaves], each edge's depth-wise advantage under mean fusion (the advantage of its child)."""
+    cfg = TreeConfig(split_steps=split_steps, branch_factor=factor)
+    sizes = [n * trees for n in cfg.frontier_sizes(num_steps)] + [cfg.leaves * trees]
+    parent = [torch.zeros(0, dtype=torch.long)]
+    tree = [torch.arange(trees)]
+    for k in range(num_steps):
+        parent.append(torch.arange(sizes[k]).repeat_interleave(cfg.children(k)))
+        tree.append(tree[k][parent[k + 1]])
+    steps = torch.cat([torch.full((sizes[k + 1],), k) for k in range(num_steps)])
+    child = torch.cat([torch.arange(sizes[k + 1]) for k in range(num_steps)])
+    edges = {"step": steps, "child": child, "tree": torch.cat(tree[1:])}
+    if leaf_rewards is None:
+        return edges, None
+    fused, ok = fuse_rewards(parent, leaf_rewards)
+    node_adv = depthwise_advantages(fused, ok, tree)
+    return edges, torch.cat(node_adv[1:])
+
+
+def _windows(iterations, *args, **kw) -> list[list[int]]:
+    return [sliding_prune_depths(*args[:1], i, *args[1:], **kw) for i in iterations]
+
+
+def test_sliding_depth_window_trains_these_edges_at_each_iteration():
+    """6 steps, splits {0, 2}, one tree: 2, 2, 4, 4, 4, 4 edges into depths 1..6 (20 edges). The window [5, 6]
+    slides one depth every 2 iterations down to the last split step 2 (the BranchGRPO default stop): with s the
+    1-based iteration, shift = min(floor(s / 2), 5 - 2), so iterations 0..8 prune [5, 6], [4, 5], [4, 5], [3, 4],
+    [3, 4], [2, 3], [2, 3], ... and it ends there (no wrap): 12, 12, 12, 12, 12, 14, 14, 14, 14 edges trained."""
+    edges, _ = _hand_tree([0, 2], 6)
+    assert edges["step"].numel() == 20
+    windows = _windows(range(9), [6, 5], 2, stop_depth=2)  # any order in, ascending out
+    assert windows == [[5, 6], [4, 5], [4, 5], [3, 4], [3, 4], [2, 3], [2, 3], [2, 3], [2, 3]]
+    trained = []
+    for w in windows:
+        keep = prune_edges(edges, torch.zeros(20), [0, 2], 6, depths=w)
+        assert torch.equal(keep, ~torch.isin(edges["step"] + 1, torch.tensor(w)))
+        trained.append(int(keep.sum()))
+    assert trained == [12, 12, 12, 12, 12, 14, 14, 14, 14]
+    assert sliding_prune_depths([5, 6], 10**6, 2, 2) == [2, 3]  # the end holds for good
+    # a fixed window (no interval) never moves; an explicit stop ends the slide earlier
+    assert _windows([0, 5, 99], [5, 6]) == [[5, 6]] * 3
+    assert _windows([0, 1, 3, 99], [5, 6], 2, stop_depth=4) == [[5, 6], [4, 5], [4, 5], [4, 5]]
+    # interval 1: the window has moved at the first iteration already (s = 1), as in the BranchGRPO code
+    assert _windows([0, 1, 2], [5, 6], 1, stop_depth=2) == [[4, 5], [3, 4], [2, 3]]
+
+
+def test_sliding_depth_window_of_the_reference_launcher():
+    """The released launcher's sliding setting (window 15..18, interval 30, stop depth 9): the first position
+    holds for iterations 0..28 (s = 1..29), the window then moves at s = 30, 60, ..., and reaches 9..12 at s = 180
+    (iteration 179) after 6 moves, where it stays."""
+    got = _windows([0, 28, 29, 58, 59, 178, 179, 299], [15, 16, 17, 18], 30, stop_depth=9)
+    assert got == [[15, 16, 17, 18]] * 2 + [[14, 15, 16, 17]] * 2 + [[13, 14, 15, 16]] + [[10, 11, 12, 13]] + \
+        [[9, 10, 11, 12]] * 2
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: sliding_prune_depths([0, 3], 0), "pruned depths must be >= 1"),
+    (lambda: sliding_prune_depths([3], -1), "iteration must be >= 0"),
+    (lambda: sliding_prune_depths([3], 0, 0, 1), "slide interval must be >= 1"),
+    (lambda: sliding_prune_depths([3], 0, 2), "needs a stop depth"),
+    (lambda: sliding_prune_depths([3, 4], 0, 2, 3), r"stop depth 3 for the window \[3, 4\]: it could never move"),
+    (lambda: sliding_prune_depths([3, 4], 0, 2, 0), "1 <= stop depth"),
+    (lambda: pruning_active(0, 1.5), r"pruning step ratio must be in \[0, 1\]"),
+    (lambda: pruning_active(0, 0.5), "needs the training length total_iterations >= 1"),
+    (lambda: pruning_active(-2, 0.5, 10), "iteration must be >= 0"),
+])
+def test_pruning_schedule_bad_values_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_pruning_step_ratio_prunes_the_first_floor_of_the_total():
+    """Pruning is on at iteration i iff i + 1 <= floor(total * ratio) (the BranchGRPO code's 1-based step <= the
+    cut-off step): 10 iterations at ratio 0.5 prune 0..4; at 0.35, floor(3.5) = 3 iterations; ratio 1 always
+    (no total needed, past the total too); ratio 0 never. On the hand tree, a pruned iteration trains 12 edges and
+    a later one all 20."""
+    assert [pruning_active(i, 0.5, 10) for i in range(10)] == [True] * 5 + [False] * 5
+    assert [pruning_active(i, 0.35, 10) for i in range(5)] == [True] * 3 + [False] * 2
+    assert pruning_active(10**6, 1.0) and not any(pruning_active(i, 0.0, 10) for i in range(10))
+    edges, _ = _hand_tree([0, 2], 6)
+    trained = [int(prune_edges(edges, torch.zeros(20), [0, 2], 6,
+                               depths=[5, 6] if pruning_active(i, 0.2, 10) else None).sum()) for i in range(4)]
+    assert trained == [12, 12, 20, 20]
+
+
+def _reference_width(adv: torch.Tensor, edges: dict[str, torch.Tensor], last_split: int, kept: float,
+                     mode: int) -> torch.Tensor:
+    """The BranchGRPO code's width pruning, transcribed as formulas: its edge list is depth-first (chain, then
+    depth, over the device's trees); mode 1 keeps per chain the max(1, floor(n * kept)) first of a stable
+    descending sort by advantage, mode 2 pools the list and keeps the first b and the last w of that sort, with
+    m = max(2, floor(n * kept)), b = floor(m / 2), w = m - b. Returns the bool keep mask over all edges."""
+    a, step, chain, tree = adv.tolist(), edges["step"].tolist(), edges["child"].tolist(), edges["tree"].tolist()
+    last = [e for e in range(len(a)) if step[e] > last_split]
+    dfs = sorted(last, key=lambda e: (tree[e], chain[e], step[e]))
+    keep = torch.ones(len(a), dtype=torch.bool)
+    keep[last] = False
+    if mode == 1:
+        for c in sorted({chain[e] for e in dfs}):
+            group = [e for e in dfs if chain[e] == c]
+            keep[sorted(group, key=lambda e: a[e], reverse=True)[: max(1, math.floor(len(group) * kept))]] = True
+    else:
+        ranked = sorted(dfs, key=lambda e: a[e], reverse=True)
+        m = max(2, math.floor(len(ranked) * kept))
+        b = m // 2
+        keep[ranked[:b] + ranked[len(ranked) - (m - b):]] = True
+    return keep
+
+
+@pytest.mark.parametrize("kept", [0.5, 0.33, 0.35, 0.05])
+@pytest.mark.parametrize("rewards", ["binary_one", "binary_all", "random"])
+def test_width_ratio_converted_from_the_reference_keeps_its_edges(kept, rewards):
+    """The reference tree (20 steps, splits {0, 3, 6, 9}, one tree: 16 chains of 10 last-layer edges, 160 in all).
+    The reference's width_pruning_ratio is the fraction KEPT, rounded down (per chain in mode 1, pooled over the
+    device's trees in mode 2); genrl's width_ratio is the fraction PRUNED, rounded up, per group. Converted as
+    width_ratio = 1 - m / n, with m the reference's kept count of a group of n, genrl keeps exactly the
+    reference's edges (ties included: binary leaf rewards make whole chains tie). The naive 1 - kept differs
+    where n * kept is fractional: kept 0.33 -> the reference keeps 3 of 10 and 52 of 160, 1 - 0.33 keeps 4 and 53."""
+    g = torch.Generator().manual_seed(3)
+    leaf = {"binary_one": (torch.arange(16) == 5).double(), "binary_all": torch.ones(16, dtype=torch.float64),
+            "random": torch.rand(16, generator=g, dtype=torch.float64)}[rewards]
+    edges, adv = _hand_tree([0, 3, 6, 9], 20, leaf)
+    last = edges["step"] > 9
+    assert int(last.sum()) == 160
+    for mode, n, floor_ in ((1, 10, 1), (2, 160, 2)):
+        m = max(floor_, math.floor(n * kept))
+        width_mode = "chain" if mode == 1 else "extremes"
+        keep = prune_edges(edges, adv, [0, 3, 6, 9], 20, width_ratio=1 - m / n, width_mode=width_mode,
+                           chain_id=edges["child"])
+        ref = _reference_width(adv, edges, 9, kept, mode)
+        assert torch.equal(keep, ref), (mode, kept, rewards)
+        assert int((keep & last).sum()) == m * (16 if mode == 1 else 1)
+    if kept == 0.33:
+        naive = [int((prune_edges(edges, adv, [0, 3, 6, 9], 20, width_ratio=1 - kept, width_mode=wm,
+                                  chain_id=edges["child"]) & last).sum()) for wm in ("chain", "extremes")]
+        assert naive == [16 * 4, 53]
+
+
+def test_width_pruning_ties_under_binary_rewards_by_hand():
+    """One split at step 0 into 4 chains (factor 4), 4 steps: 4 split edges and 12 last-layer edges (steps 1-3).
+    Width ratio 0.5: extremes keeps the 3 best and 3 worst of the tree, chain the 2 shallowest of each chain
+    (chains tie along their length under mean fusion; the reference's kept ratio 0.5 keeps 1, as width_ratio 2/3
+    does). Leaf rewards all 0 or all 1: every advantage is 0; the best are chain 0's edges (the earliest in
+    depth-first order) and the worst chain 3's, never an edge in both. One 1 at leaf 2: chain 2 is the best and
+    chain 3 (the latest of the tied zeros) the worst. One 0 at leaf 1: chain 1 is the worst and chain 0 (the
+    earliest of the tied ones) the best. Each equals the BranchGRPO code's choice."""
+    cases = {"all 0": ([0, 0, 0, 0], {0, 3}), "all 1": ([1, 1, 1, 1], {0, 3}), "one 1": ([0, 0, 1, 0], {2, 3}),
+             "one 0": ([1, 0, 1, 1], {0, 1})}
+    for name, (leaf, chains) in cases.items():
+        edges, adv = _hand_tree([0], 4, torch.tensor(leaf, dtype=torch.float64), factor=4)
+        step, chain = edges["step"], edges["child"]
+        keep = prune_edges(edges, adv, [0], 4, width_ratio=0.5, width_mode="extremes", chain_id=chain)
+        expected = (step == 0) | torch.isin(chain, torch.tensor(sorted(chains)))
+        assert torch.equal(keep, expected), name
+        assert int((keep & (step > 0)).sum()) == 6, name  # 3 best + 3 worst, all distinct
+        assert torch.equal(keep, _reference_width(adv, edges, 0, 0.5, 2)), name
+        by_chain = prune_edges(edges, adv, [0], 4, width_ratio=0.5, width_mode="chain", chain_id=chain)
+        assert torch.equal(by_chain, step <= 2), name  # ceil(3 * 0.5) = 2 per chain
+        # the reference's kept 0.5 keeps floor(1.5) = 1 per chain: width_ratio 1 - 1/3 keeps the same edge
+        converted = prune_edges(edges, adv, [0], 4, width_ratio=1 - 1 / 3, width_mode="chain", chain_id=chain)
+        assert torch.equal(converted, step <= 1) and torch.equal(converted, _reference_width(adv, edges, 0, 0.5, 1))

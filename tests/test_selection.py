@@ -13,6 +13,7 @@ import torch
 from genrl.flow.selection import (
     SELECTION_MODES,
     best_worst_pairs,
+    bottom_top,
     proxy_fidelity,
     select_candidates,
     set_overlap,
@@ -70,7 +71,8 @@ def _ref_max_variance(r: list[float], k: int) -> list[int]:
 def _ref_mean_deviation(r: list[float], k: int) -> list[int]:
     mu = sum(Fraction(v) for v in r) / len(r)
     dev = [abs(Fraction(v) - mu) for v in r]
-    return sorted(sorted(range(len(r)), key=lambda j: (-dev[j], j))[:k])
+    order = sorted(range(len(r)), key=lambda j: (dev[j], j))  # the module's tie rule: top = last k
+    return sorted(order[len(r) - k :])
 
 
 def _ref_best_worst(r: list[float], k: int) -> list[int]:
@@ -240,10 +242,11 @@ def test_mean_deviation_matches_brute_force(kind):
 
 
 def test_mean_deviation_hand_example():
-    # mean 2: deviations 2, 0, 1, 2, 1 -> k = 2 takes indices 0 and 3 (tied at 2); k = 3 adds index 2 (lower of 2, 4)
+    # mean 2: deviations 2, 0, 1, 2, 1 -> k = 2 takes indices 0 and 3 (tied at 2); k = 3 adds index 4 (the top set
+    # takes the higher index of the tie 2, 4: the module's one tie rule)
     r = torch.tensor([0.0, 2.0, 3.0, 4.0, 1.0])
     assert select_candidates(r, 2, "mean_deviation").tolist() == [0, 3]
-    assert select_candidates(r, 3, "mean_deviation").tolist() == [0, 2, 3]
+    assert select_candidates(r, 3, "mean_deviation").tolist() == [0, 3, 4]
 
 
 # ---------------------------------------------------------------------------------------------- random
@@ -573,3 +576,98 @@ def test_best_worst_pairs_errors():
         best_worst_pairs(r, g.float())
     with pytest.raises(ValueError, match=r"valid must be a bool \[B\] = \[4\].*int64"):
         best_worst_pairs(r, g, torch.tensor([1, 1, 0, 1]))
+
+
+# ---------------------------------------------------------------------------------------------- ties (issue 48)
+# the one tie rule under binary rewards: all-equal and nearly-all-equal groups, for every selection step
+
+
+_BINARY = {  # N = 8 binary groups and their stable ascending (value, index) order
+    "all 0": ([0, 0, 0, 0, 0, 0, 0, 0], [0, 1, 2, 3, 4, 5, 6, 7]),
+    "all 1": ([1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 2, 3, 4, 5, 6, 7]),
+    "one 1": ([0, 0, 0, 1, 0, 0, 0, 0], [0, 1, 2, 4, 5, 6, 7, 3]),
+    "one 0": ([1, 1, 1, 0, 1, 1, 1, 1], [3, 0, 1, 2, 4, 5, 6, 7]),
+}
+
+
+@pytest.mark.parametrize("name", list(_BINARY))
+def test_bottom_top_is_the_stable_order_and_never_shares_an_element(name):
+    """bottom_top: the first n_bottom and the last n_top of the stable ascending order, disjoint for every split of
+    an all-equal or nearly-all-equal binary group, also when the two sets together take every element."""
+    r, order = _BINARY[name]
+    t = torch.tensor(r, dtype=torch.int64)
+    for nb in range(9):
+        for nt in range(9 - nb):
+            bottom, top = bottom_top(t, nb, nt)
+            assert bottom.tolist() == order[:nb] and top.tolist() == order[8 - nt :]
+            assert not set(bottom.tolist()) & set(top.tolist())
+    lo, hi = bottom_top(t, 1, 1)  # the single worst is the first, the single best the last
+    assert lo.tolist() == [order[0]] and hi.tolist() == [order[-1]]
+
+
+def test_bottom_top_errors_and_empty():
+    b, t = bottom_top(torch.zeros(0), 0, 0)
+    assert b.shape == (0,) and t.shape == (0,) and b.dtype == torch.long
+    with pytest.raises(ValueError, match=r"n_bottom \+ n_top = 2 \+ 2 exceeds the 3 values"):
+        bottom_top(torch.zeros(3), 2, 2)
+    with pytest.raises(ValueError, match="n_top must be an integer >= 0"):
+        bottom_top(torch.zeros(3), 1, -1)
+    with pytest.raises(ValueError, match="n_bottom must be an integer >= 0"):
+        bottom_top(torch.zeros(3), 1.0, 1)
+    with pytest.raises(ValueError, match="NaN"):
+        bottom_top(torch.tensor([0.0, math.nan]), 1, 1)
+    with pytest.raises(ValueError, match="1-d real tensor"):
+        bottom_top(torch.zeros(2, 2), 1, 1)
+
+
+@pytest.mark.parametrize("mode", ["best_worst", "max_variance"])
+@pytest.mark.parametrize("name", list(_BINARY))
+def test_sol_rl_selection_of_binary_groups_by_hand(mode, name):
+    """Sol-RL selection of K of 8 under the tie rule: ceil(K/2) worst = the first of the stable order, floor(K/2)
+    best = the last; K distinct candidates even when every reward ties. max_variance picks the same split here
+    (all splits tie, or the one 1 / one 0 makes i = 1..K tie, and the i closest to K/2 wins). By hand for K = 4:
+    all 0 / all 1 -> {0, 1, 6, 7}; one 1 at 3 -> {0, 1, 3, 7}; one 0 at 3 -> {0, 3, 6, 7}."""
+    r, order = _BINARY[name]
+    for k in range(1, 9):
+        got = select_candidates(torch.tensor(r, dtype=F64), k, mode).tolist()
+        assert got == sorted(order[: k - k // 2] + order[8 - k // 2 :]), (k, got)
+        assert len(set(got)) == k
+    by_hand = {"all 0": [0, 1, 6, 7], "all 1": [0, 1, 6, 7], "one 1": [0, 1, 3, 7], "one 0": [0, 3, 6, 7]}
+    assert select_candidates(torch.tensor(r), 4, mode).tolist() == by_hand[name]
+
+
+@pytest.mark.parametrize("mode", ["best_worst", "max_variance"])
+def test_release_sized_binary_pools_keep_24_distinct(mode):
+    """The release's 24 of 96 on binary rewards (all 0, all 1, a single 1, a single 0, 95 % ones): 24 distinct
+    indices, the 12 worst first in the stable order and the 12 best last; a single 1 is always kept."""
+    rows = torch.stack([torch.zeros(96), torch.ones(96), (torch.arange(96) == 40).double(),
+                        (torch.arange(96) != 40).double(), (torch.arange(96) % 20 != 7).double()]).to(F64)
+    idx = select_candidates(rows, 24, mode)
+    for row, sel in zip(rows.tolist(), idx.tolist()):
+        assert len(set(sel)) == 24
+        assert sel == _split(row, 24, 12)
+    assert 40 in idx[2].tolist() and 40 in idx[3].tolist()
+
+
+def test_mean_deviation_ties_take_the_top_of_the_stable_order():
+    """mean_deviation keeps the k largest deviations as the tie rule's top set: an all-equal group keeps its last
+    k candidates, a single 1 among 0s is kept with the highest-index 0s (before issue 48 it took the lowest)."""
+    assert select_candidates(torch.zeros(8), 3, "mean_deviation").tolist() == [5, 6, 7]
+    assert select_candidates(torch.ones(8), 3, "mean_deviation").tolist() == [5, 6, 7]
+    one = torch.tensor([0.0, 0, 0, 1, 0, 0, 0, 0])
+    assert select_candidates(one, 3, "mean_deviation").tolist() == [3, 6, 7]
+
+
+def test_best_worst_pairs_nearly_all_equal_binary_groups():
+    """best_worst_pairs follows the same rule: a single 0 among 1s is the rejected and the highest-index 1 the
+    chosen; an all-1 group is skipped, or paired (last, first) with tie="arbitrary", never a sample with itself."""
+    r = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])  # group 0: one 0 (index 2); group 1: all 1
+    chosen, rejected = best_worst_pairs(r, g)
+    assert chosen.tolist() == [3] and rejected.tolist() == [2]
+    c_a, r_a = best_worst_pairs(r, g, tie="arbitrary")
+    assert c_a.tolist() == [3, 7] and r_a.tolist() == [2, 4]
+    # the pair is the single best and the single worst of bottom_top on each group
+    for members in ([0, 1, 2, 3], [4, 5, 6, 7]):
+        lo, hi = bottom_top(r[members], 1, 1)
+        assert [members[int(hi)], members[int(lo)]] in ([3, 2], [7, 4])

@@ -186,3 +186,23 @@ def test_preview_config_changes_only_steps_and_clips_the_sde_window():
     assert cfg.num_steps == 6 and cfg.window_end == 6 and cfg.micro_batch_size == 16 and cfg.kernel == "flow_grpo"
     same = preview_config(base, PreviewConfig(keep=2))
     assert vars(same) == vars(base)
+
+
+def test_binary_preview_rewards_regenerate_distinct_candidates(tmp_path, monkeypatch):
+    """Binary preview rewards through the real collect phase (2 prompts x a pool of 6, K = 4): an all-0 pool and a
+    pool with a single 1 (column 2). The tie rule keeps the 2 worst first and the 2 best last of the stable order,
+    so columns [0, 1, 4, 5] and [0, 1, 2, 5] are regenerated: 4 distinct candidates per prompt, the single 1 among
+    them; the release's two topk calls may return one candidate twice here (docs/methods/sol_rl.md, Ties)."""
+    monkeypatch.chdir(tmp_path)
+    spy = _Spy(monkeypatch)
+    real_select = preview_module.select_candidates
+    binary = torch.tensor([[0.0] * 6, [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    monkeypatch.setattr(preview_module, "select_candidates",
+                        lambda r, k, mode, generator=None: real_select(binary, k, mode, generator))
+    cli = _cli(["--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--model.init_args.preview.keep=4"])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    pv, rg = spy.preview[0], spy.regenerated[0]
+    for g, cols in enumerate(([0, 1, 4, 5], [0, 1, 2, 5])):
+        pool = pv["index"][6 * g: 6 * (g + 1)]
+        kept = rg["index"][4 * g: 4 * (g + 1)].tolist()
+        assert kept == pool[cols].tolist() and len(set(kept)) == 4

@@ -8,10 +8,20 @@ measure how well the preview rewards rank the candidates like the full-precision
 iteration: a drop means the cheap preview no longer predicts the trained samples). `best_worst_pairs` builds one
 (chosen, rejected) pair per group of a gathered batch for online preference training (DPO on pointwise rewards).
 
-Tie rule shared by every function here: rewards are ordered by ONE stable ascending sort, i.e. by
-(reward, index) lexicographically. A "bottom-m" set is the first m of that order and a "top-m" set the last m,
-so among tied rewards the bottom set takes the lower indices and the top set the higher ones, and a bottom and
-a top set never share an index. Pure functions; everything is computed in float64 on the rewards' device.
+The tie rule, the one every selection and pair-building step of genrl follows (Sol-RL selection here,
+``best_worst_pairs`` for DPO pairs, BranchGRPO's width pruning in :mod:`genrl.flow.tree_advantages` through
+`bottom_top`): candidates are ordered by ONE stable ascending sort of their values, i.e. by (value, index)
+lexicographically, so among tied values the lower index counts as the lower one. A "bottom-m" (worst) set is the
+first m of that order and a "top-m" (best) set the last m; a single worst is the first element and a single best
+the last. A bottom and a top set taken from the same order never share an element, so no candidate is ever both
+best and worst, not even in an all-equal group. What "index" means is the caller's list order (a batch index, a
+candidate column, an edge's place in a list), stated where the list is built.
+
+Two independent ``torch.topk`` calls (Sol-RL's release: ``topk(r, K/2)`` and ``topk(r, K - K/2, largest=False)``)
+give no such guarantee: ``topk`` makes no promise about which of several tied elements it returns, and with binary
+rewards (an all-0, all-1 or one-1 group) both calls can return the same candidate (docs/methods/sol_rl.md, Ties).
+
+Pure functions; everything is computed in float64 on the rewards' device.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import torch
 __all__ = [
     "SelectionMode",
     "SELECTION_MODES",
+    "bottom_top",
     "select_candidates",
     "PairTie",
     "best_worst_pairs",
@@ -84,6 +95,51 @@ def _gather_sorted(perm: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tens
 # selection
 
 
+def bottom_top(values: torch.Tensor, n_bottom: int, n_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's tie rule on one list: the ``n_bottom`` lowest and the ``n_top`` highest of ``values``.
+
+    One stable ascending sort of ``values`` (ties keep their list order, so the lower index counts as lower); the
+    bottom set is the first ``n_bottom`` of that order and the top set the last ``n_top``. Since
+    ``n_bottom + n_top <= N`` the two sets are disjoint: no element is both, however many values tie.
+
+    Args:
+        values: [N] real tensor (any real dtype, compared in float64; NaN is not allowed: it has no place in an
+            order). N = 0 is fine with ``n_bottom = n_top = 0``.
+        n_bottom, n_top: set sizes, integers >= 0 with ``n_bottom + n_top <= N``.
+
+    Returns:
+        (bottom, top): int64 [n_bottom] and [n_top] indices into ``values``, each in the sort's order (bottom:
+        lowest first; top: its lowest first, so ``top[-1]`` is the single best), on the values' device.
+
+    Raises:
+        ValueError: values not a 1-d real tensor, or containing NaN; a negative or non-integer size, or
+            ``n_bottom + n_top > N`` (the message names the three numbers).
+    """
+    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.is_complex():
+        shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+        raise ValueError(f"values must be a 1-d real tensor [N], got {shape}")
+    n = values.shape[0]
+    sizes = []
+    for name, m in (("n_bottom", n_bottom), ("n_top", n_top)):
+        if isinstance(m, bool):
+            raise ValueError(f"{name} must be an integer >= 0, got {m!r}")
+        try:
+            m = operator.index(m)
+        except TypeError as e:
+            raise ValueError(f"{name} must be an integer >= 0, got {m!r}") from e
+        if m < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {m}")
+        sizes.append(m)
+    n_bottom, n_top = sizes
+    if n_bottom + n_top > n:
+        raise ValueError(f"n_bottom + n_top = {n_bottom} + {n_top} exceeds the {n} values: the sets would overlap")
+    v = values.detach().to(torch.float64)
+    if bool(torch.isnan(v).any()):
+        raise ValueError("values contain NaN, which has no place in the order; mask or replace them first")
+    order = v.sort(stable=True).indices
+    return order[:n_bottom], order[n - n_top :]
+
+
 def select_candidates(
     rewards: torch.Tensor,
     k: int,
@@ -105,8 +161,9 @@ def select_candidates(
       |r - median| of the row) are ties, broken by the i closest to k/2, then the smaller i; so a constant
       row (or any all-tied case) gives the ``"best_worst"`` selection. O(N log N + k) per row: prefix sums of
       the sorted (median-shifted) rewards and their squares from both ends.
-    - ``"mean_deviation"``: the k largest |r - mean(r)| (row mean, float64); ties by the lower index (a stable
-      descending sort on the deviation).
+    - ``"mean_deviation"``: the k largest |r - mean(r)| (row mean, float64): the top-k set of the deviations
+      under the tie rule, so among tied deviations the higher indices are taken (an all-equal row keeps its last
+      k candidates).
     - ``"random"``: k distinct indices, uniform over k-subsets, drawn from ``generator`` (required; the
       draws come from the generator's device: one float64 uniform per candidate, the k smallest).
 
@@ -155,7 +212,7 @@ def select_candidates(
         idx = u.argsort(dim=1, stable=True)[:, :k].sort(dim=1).values.to(r.device)
     elif mode == "mean_deviation":
         dev = (r - r.mean(dim=1, keepdim=True)).abs()
-        idx = dev.sort(dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
+        idx = dev.sort(dim=1, stable=True).indices[:, n - k :].sort(dim=1).values
     else:
         s, perm = r.sort(dim=1, stable=True)
         if mode == "best_worst":

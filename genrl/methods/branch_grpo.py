@@ -5,7 +5,8 @@ Each iteration: one tree per prompt from the shared sampler's tree mode (:func:`
 rewards on the leaves (on the last step's clean-sample prediction, as the reference, or the final latent),
 leaf rewards fused up the tree (:func:`genrl.flow.tree_advantages.fuse_rewards`), depth-wise advantages
 (:func:`~genrl.flow.tree_advantages.depthwise_advantages`), pruning of the edges the gradient step sees
-(:func:`~genrl.flow.tree_advantages.prune_edges`; rollouts and rewards unchanged), then the clipped policy loss
+(:func:`~genrl.flow.tree_advantages.prune_edges`; rollouts and rewards unchanged; the depth window may slide and
+pruning may stop part-way through training, both pure functions of the iteration), then the clipped policy loss
 of :mod:`genrl.flow.policy` on every kept edge, with the edge log-prob recomputed by the same kernel the rollout
 used (ratio exactly 1 on the first update). Composition, not inheritance: nothing here subclasses GRPO.
 
@@ -22,7 +23,13 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from genrl.flow.policy import clipped_policy_loss
-from genrl.flow.tree_advantages import depthwise_advantages, fuse_rewards, prune_edges
+from genrl.flow.tree_advantages import (
+    depthwise_advantages,
+    fuse_rewards,
+    prune_edges,
+    pruning_active,
+    sliding_prune_depths,
+)
 from genrl.methods.common import (
     advance_iteration,
     configure_policy,
@@ -53,8 +60,19 @@ class BranchGRPO(LightningModule):
         reward_on: ``"x0"`` (the last step's clean-sample prediction, the reference) or ``"final"``.
         fusion: ``"mean"`` or ``"path_prob"`` (with ``fusion_alpha``).
         advantage_eps: the depth-wise std epsilon (1e-8).
-        prune_depths: child depths (step + 1) whose edges are dropped from the gradient step.
-        width_ratio / width_mode: width pruning of the edges after the last split (0 disables it).
+        prune_depths: child depths (step + 1) whose edges are dropped from the gradient step (the window).
+        prune_slide_interval: slide the depth window one depth shallower every this many iterations
+            (BranchGRPO's ``--depth_pruning_slide`` with ``--depth_pruning_slide_interval``); None: a fixed window.
+        prune_slide_stop_depth: the shallowest depth the sliding window reaches, then stays at (None: the last
+            split step, as BranchGRPO; ``--depth_pruning_stop_depth``). Formula:
+            :func:`~genrl.flow.tree_advantages.sliding_prune_depths`.
+        width_ratio / width_mode: width pruning of the edges after the last split (0 disables it); ``width_ratio``
+            is the fraction pruned per group, rounded to keep ceil(n (1 - width_ratio)) (BranchGRPO's
+            ``width_pruning_ratio`` is the fraction kept: docs/methods/grpo.md converts).
+        prune_step_ratio / prune_total_iterations: prune (depth and width) only in the first
+            floor(prune_total_iterations * prune_step_ratio) iterations, then train every edge (BranchGRPO's
+            ``--pruning_step_ratio`` of ``--max_train_steps``); ratio 1 (default) prunes throughout, a ratio < 1
+            needs the total. Formula: :func:`~genrl.flow.tree_advantages.pruning_active`.
         rewards / reward_combine: as in GRPO.
         clip_range / clip_range_high / adv_clip_max: the clipped loss (BranchGRPO: 1e-3, 5).
         optimizer / max_grad_norm: as in GRPO.
@@ -74,8 +92,12 @@ class BranchGRPO(LightningModule):
         fusion_alpha: float = 1.0,
         advantage_eps: float = 1e-8,
         prune_depths: list[int] | None = None,
+        prune_slide_interval: int | None = None,
+        prune_slide_stop_depth: int | None = None,
         width_ratio: float = 0.0,
         width_mode: Literal["chain", "extremes"] = "chain",
+        prune_step_ratio: float = 1.0,
+        prune_total_iterations: int | None = None,
         rewards: list[dict[str, Any]] | None = None,
         reward_combine: Literal["weighted_sum", "zscore_sum"] = "weighted_sum",
         clip_range: float = 1e-3,
@@ -98,6 +120,19 @@ class BranchGRPO(LightningModule):
                                                        skip_last_step=False)
         self.tree_config = tree or TreeConfig()
         self.tree_config.check(self.rollout_config.num_steps)
+        if prune_slide_interval is not None and not prune_depths:
+            raise ValueError("prune_slide_interval slides the depth-pruning window, but prune_depths is empty")
+        if prune_slide_stop_depth is not None and prune_slide_interval is None:
+            raise ValueError("prune_slide_stop_depth is set but prune_slide_interval is null (a fixed window)")
+        try:  # a bad pruning schedule fails here, not at the first training step
+            self.pruning_at(0)
+        except ValueError as e:
+            raise ValueError(
+                f"pruning options prune_depths={prune_depths}, prune_slide_interval={prune_slide_interval}, "
+                f"prune_slide_stop_depth={prune_slide_stop_depth} (null: the last split step "
+                f"{max(self.tree_config.split_steps)}), prune_step_ratio={prune_step_ratio}, "
+                f"prune_total_iterations={prune_total_iterations}: {e}"
+            ) from e
         self.eval_config = eval_rollout or ode_validation_config(self.rollout_config, num_steps=20)
         self.latent_shape = tuple(latent_shape) if latent_shape else None
         self.optimizer_factory = optimizer
@@ -108,16 +143,33 @@ class BranchGRPO(LightningModule):
     configure_optimizers = configure_policy_optimizer
 
     # ------------------------------------------------------------------ the pieces
-    def tree_advantages(self, ro, leaf_rewards: torch.Tensor, leaf_valid: torch.Tensor):
-        """(edges, per-edge advantages, kept mask) of a tree rollout and its leaf rewards."""
+    def pruning_at(self, iteration: int) -> tuple[list[int], float]:
+        """The pruning of a 0-based training iteration: (the depth window, the width ratio). Both empty / 0 once
+        ``prune_step_ratio`` has stopped pruning; the window slid per ``prune_slide_interval``.
+
+        Raises:
+            ValueError: a bad schedule (see :func:`~genrl.flow.tree_advantages.sliding_prune_depths` and
+                :func:`~genrl.flow.tree_advantages.pruning_active`).
+        """
+        h = self.hparams
+        stop = h.prune_slide_stop_depth if h.prune_slide_stop_depth is not None else max(self.tree_config.split_steps)
+        depths = sliding_prune_depths(h.prune_depths or [], iteration, h.prune_slide_interval, stop)
+        if not pruning_active(iteration, h.prune_step_ratio, h.prune_total_iterations):
+            return [], 0.0
+        return depths, h.width_ratio
+
+    def tree_advantages(self, ro, leaf_rewards: torch.Tensor, leaf_valid: torch.Tensor,
+                        iteration: int | None = None):
+        """(edges, per-edge advantages, kept mask) of a tree rollout and its leaf rewards, pruned as at
+        ``iteration`` (default: the current one)."""
         fused, ok = fuse_rewards(ro.parent, leaf_rewards, leaf_valid, ro.log_probs, self.hparams.fusion,
                                  self.hparams.fusion_alpha)
         node_adv = depthwise_advantages(fused, ok, ro.tree, eps=self.hparams.advantage_eps)
         edges = ro.edges()  # ordered by step, then child: the per-step node advantages line up
         adv = torch.cat([node_adv[k + 1] for k in range(ro.num_steps) if bool(ro.sde_mask[k])])
-        keep = prune_edges(edges, adv, self.tree_config.split_steps, ro.num_steps, depths=self.hparams.prune_depths,
-                           width_ratio=self.hparams.width_ratio, width_mode=self.hparams.width_mode,
-                           chain_id=edges["child"])
+        depths, width_ratio = self.pruning_at(int(self.iteration) if iteration is None else iteration)
+        keep = prune_edges(edges, adv, self.tree_config.split_steps, ro.num_steps, depths=depths,
+                           width_ratio=width_ratio, width_mode=self.hparams.width_mode, chain_id=edges["child"])
         return edges, adv, keep
 
     # ------------------------------------------------------------------ training
@@ -140,7 +192,7 @@ class BranchGRPO(LightningModule):
                               self.hparams.reward_on)
         scores = score(self, self.scorer, leaves, iteration=it)
         ro, result, bs = leaves.samples, scores.result, len(leaves.prompts)
-        edges, adv, keep = self.tree_advantages(ro, torch.nan_to_num(result.total), result.valid)
+        edges, adv, keep = self.tree_advantages(ro, torch.nan_to_num(result.total), result.valid, it)
         self.log("tree/edges", float(keep.numel()), batch_size=bs)
         self.log("tree/edges_trained", float(keep.sum()), batch_size=bs)
         self.log("tree/denoiser_evals", float(ro.denoiser_evals), batch_size=bs)
