@@ -79,8 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rule", choices=["conditional", "vanilla", "fractional"], default="fractional",
                    help="history guidance rule: conditional (1 call per step + text CFG), vanilla (2), fractional (3)")
     p.add_argument("--scale", type=float, default=3.0, help="w of vanilla / fractional guidance (1 = conditional)")
-    p.add_argument("--fractional-sigma", type=float, default=0.4, help="fractional: the history's level k_H")
-    p.add_argument("--stabilization", type=float, default=0.0, help="level of generated history frames (DFoT 0.02)")
+    p.add_argument("--fractional-sigma", type=float, default=None,
+                   help="fractional: the history's level k_H, in --units (default: DFoT's 0.4, sigma 0.4246)")
+    p.add_argument("--stabilization", type=float, default=None,
+                   help="level of generated history frames, in --units (default: DFoT's 0.02, sigma 0.0402; 0 = off)")
+    p.add_argument("--units", choices=["sigma", "dfot"], default="sigma",
+                   help="what --fractional-sigma and --stabilization mean: flow-matching sigma, or DFoT's levels")
     p.add_argument("--text-scale", type=float, default=None,
                    help="independent text CFG scale (default 3 for conditional, 1 for vanilla / fractional, whose "
                         "--scale already guides the text)")
@@ -100,10 +104,12 @@ def guidance_from_args(args: argparse.Namespace):
     from genrl.flow import HistoryGuidance
 
     text = args.text_scale if args.text_scale is not None else (3.0 if args.rule == "conditional" else 1.0)
-    kw = dict(kind=args.rule, stabilization=args.stabilization, text_scale=text)
+    kw = dict(kind=args.rule, text_scale=text, units=args.units)
+    if args.stabilization is not None:
+        kw["stabilization"] = args.stabilization
     if args.rule != "conditional":
         kw["scale"] = args.scale
-    if args.rule == "fractional":
+    if args.rule == "fractional" and args.fractional_sigma is not None:
         kw["fractional_sigma"] = args.fractional_sigma
     return HistoryGuidance(**kw)
 
@@ -258,8 +264,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 seed=args.seed, history_frames=args.history_frames, keyframes=keys,
                                 num_frames=args.num_frames,
                                 window=args.window, context=context, steps=args.steps, rule=guidance.kind,
-                                scale=guidance.scale, fractional_sigma=guidance.fractional_sigma,
-                                stabilization=guidance.stabilization, text_scale=guidance.text_scale,
+                                scale=guidance.scale, fractional_sigma=guidance.fractional_sigma_as_sigma,
+                                stabilization=guidance.stabilization_sigma, text_scale=guidance.text_scale,
                                 calls_per_frame=res.calls_per_frame))
     tmp = out / "manifest.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))

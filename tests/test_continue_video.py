@@ -67,7 +67,7 @@ def test_shapes_history_is_continued_exactly_as_history_rollout_in_any_batching(
     args = cont._parser().parse_args(argv)
     prompts, pixels, sources = cont.history_videos(args)
     assert [r["prompt"] for r in records] == prompts and sources == ["shapes:heldout:wrap"] * 3
-    rule = HistoryGuidance("fractional", scale=3.0, fractional_sigma=0.4)
+    rule = HistoryGuidance("fractional", scale=3.0)  # the flags' defaults: DFoT's k_H 0.4 and stabilization 0.02
     want, calls = _reference(prompts, pixels, rule, 12, 2)
     assert want.shape == (3, 12, 3, 16, 16)
     for r, video in zip(records, want, strict=True):  # other batch sizes: float rounding of the matmuls only
@@ -76,8 +76,8 @@ def test_shapes_history_is_continued_exactly_as_history_rollout_in_any_batching(
     # 2 windows (each 4 new frames) of 3 views x 2 steps, over 8 generated frames
     assert calls == pytest.approx(2 * 3 * 2 / 8) and records[0]["calls_per_frame"] == pytest.approx(calls)
     lines = [json.loads(x) for x in (tmp_path / "a/manifest.jsonl").read_text().splitlines()]
-    assert lines == records and {(r["rule"], r["scale"], r["fractional_sigma"], r["text_scale"]) for r in lines} == {
-        ("fractional", 3.0, 0.4, 1.0)}
+    assert lines == records and {(r["rule"], r["scale"], round(r["fractional_sigma"], 5), round(r["stabilization"], 5),
+                                  r["text_scale"]) for r in lines} == {("fractional", 3.0, 0.42458, 0.04016, 1.0)}
 
 
 def test_each_flag_changes_what_it_should(tmp_path, written):

@@ -1,14 +1,24 @@
 """History guidance compiler (genrl.flow.history_guidance): DFoT's invariants in float64 (spec: weights sum to 1,
-w = 1 is the conditional prediction, fractional at sigma 0 is vanilla, one subset is vanilla, calls per step)."""
+w = 1 is the conditional prediction, fractional at sigma 0 is vanilla, one subset is vanilla, calls per step), and
+DFoT's noise-level units (fractions of its schedule) against genrl's sigma at equal SNR."""
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 
-from genrl.flow import CompiledGuidance, GuidanceView, HistoryGuidance, HistoryTerm, combine_views
+from genrl.flow import (
+    CompiledGuidance,
+    GuidanceView,
+    HistoryGuidance,
+    HistoryTerm,
+    combine_views,
+    dfot_level_to_sigma,
+    sigma_to_dfot_level,
+)
 
 
 def _views(c: CompiledGuidance) -> dict[GuidanceView, float]:
@@ -173,3 +183,152 @@ def test_every_combination_of_presets_and_history_lengths_sums_to_one():
             HistoryGuidance("vanilla", scale=1.5, text_scale=3.0, stabilization=0.02))):
         c = rule.compile(n, generated=[True] * n)
         assert abs(sum(c.weights) - 1.0) < 1e-12 and c.history_sigmas().shape == (c.nfe, n)
+
+
+# --- DFoT's noise-level units (issue 48) ---------------------------------------------------------------------------
+
+def _equal_snr_sigma(alpha_bar: float) -> float:
+    """genrl's sigma whose SNR ((1 - sigma) / sigma)^2 equals the DDPM marginal's alpha_bar / (1 - alpha_bar)."""
+    return math.sqrt(1 - alpha_bar) / (math.sqrt(alpha_bar) + math.sqrt(1 - alpha_bar))
+
+
+def _dfot_cosine_alpha_bars(timesteps: int = 1000, s: float = 0.008) -> torch.Tensor:
+    """DFoT's discrete cosine schedule built the way a DDPM builds it: alpha_bar on t = 1/T .. 1 normalised at
+    t = 0, betas from successive ratios clipped to [1e-9, 1], alpha_bar again as the cumulative product (float64)."""
+    t = torch.arange(timesteps + 1, dtype=torch.float64) / timesteps
+    f = torch.cos((t + s) / (1 + s) * math.pi / 2) ** 2
+    ab = (f / f[0])[1:]
+    betas = (1 - torch.cat([ab[:1], ab[1:] / ab[:-1]])).clamp(1e-9, 1.0)
+    return torch.cumprod(1 - betas, dim=0)
+
+
+def test_dfot_levels_convert_to_sigma_at_equal_snr_on_its_cosine_schedule():
+    # hand values (float64): DFoT's stabilization 0.02 and fractional levels 0.4 / 0.8 and the others in the docs
+    want = {0.02: 0.04015957521372477, 0.1: 0.14488667517087758, 0.4: 0.4245832760172952,
+            0.5: 0.5030783214567307, 0.8: 0.7563192349735367}
+    for k, sigma in want.items():
+        assert dfot_level_to_sigma(k) == pytest.approx(sigma, rel=1e-14, abs=0)
+        assert dfot_level_to_sigma(k, "cosine") == dfot_level_to_sigma(k)
+    # the reference samples level k at timestep index k T - 1 of its discrete table: equal SNR at every grid level
+    # (to 1e-10: the table's 1 - alpha_bar loses digits near k = 0, where alpha_bar is 1 - 4e-5)
+    table = _dfot_cosine_alpha_bars()
+    for i in range(0, 999):
+        ab = float(table[i])
+        sigma = dfot_level_to_sigma((i + 1) / 1000)
+        assert sigma == pytest.approx(_equal_snr_sigma(ab), rel=1e-10)
+        assert ((1 - sigma) / sigma) ** 2 == pytest.approx(ab / (1 - ab), rel=1e-10)
+
+
+def test_dfot_levels_on_the_shifted_cosine_schedule():
+    """RealEstate10K / Minecraft: logSNR(t) = -2 ln tan(phi_min + t (phi_max - phi_min)) + 2 ln 0.125 over
+    t = i / 999, level k at index k T - 1; sigma = 1 / (1 + exp(logSNR / 2))."""
+    phi_min, phi_max = math.atan(math.exp(-7.5)), math.atan(math.exp(7.5))
+    for k, sigma in {0.02: 0.19570921077756603, 0.4: 0.8529882028024369, 0.8: 0.9608877649646009}.items():
+        t = (k * 1000 - 1) / 999
+        logsnr = -2 * math.log(math.tan(phi_min + t * (phi_max - phi_min))) + 2 * math.log(0.125)
+        assert dfot_level_to_sigma(k, "shifted_cosine") == pytest.approx(1 / (1 + math.exp(logsnr / 2)), rel=1e-13)
+        assert dfot_level_to_sigma(k, "shifted_cosine") == pytest.approx(sigma, rel=1e-14)
+    assert dfot_level_to_sigma(0.0, "shifted_cosine") == 0.0
+    assert dfot_level_to_sigma(1.0, "shifted_cosine") == pytest.approx(1 / (1 + math.exp((-15 + 2 * math.log(0.125))
+                                                                                       / 2)), rel=1e-14)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "shifted_cosine"])
+def test_dfot_conversion_round_trips_and_increases(schedule):
+    g = torch.Generator().manual_seed(0)
+    levels = torch.cat([torch.linspace(0.001, 1.0, 1000, dtype=torch.float64),
+                        0.001 + 0.999 * torch.rand(200, generator=g, dtype=torch.float64)]).tolist()
+    for k in levels:
+        assert sigma_to_dfot_level(dfot_level_to_sigma(k, schedule), schedule) == pytest.approx(k, rel=1e-12,
+                                                                                                abs=1e-14)
+    grid = torch.linspace(0.001, 1.0, 1000, dtype=torch.float64).tolist()
+    sig = [dfot_level_to_sigma(k, schedule) for k in grid]
+    assert all(a < b for a, b in zip(sig, sig[1:]))  # strictly increasing
+    lo, hi = sig[0], sig[-1]
+    sigmas = torch.linspace(lo, hi, 500, dtype=torch.float64).tolist()
+    back = [sigma_to_dfot_level(s, schedule) for s in sigmas]
+    assert all(a < b for a, b in zip(back, back[1:]))
+    for s, k in zip(sigmas, back):
+        assert dfot_level_to_sigma(k, schedule) == pytest.approx(s, rel=1e-12, abs=1e-15)
+    assert dfot_level_to_sigma(0.0, schedule) == 0.0 and sigma_to_dfot_level(0.0, schedule) == 0.0
+
+
+def test_dfot_conversion_endpoints_and_bad_inputs():
+    assert dfot_level_to_sigma(1.0) == 1.0 and sigma_to_dfot_level(1.0) == 1.0  # fully masked: zero terminal SNR
+    assert 0.0 < dfot_level_to_sigma(1e-6) < 1e-3 and 1 - 1e-4 < dfot_level_to_sigma(1 - 1e-6) < 1.0  # continuous
+    assert isinstance(dfot_level_to_sigma(1), float) and isinstance(sigma_to_dfot_level(0.5), float)
+    for bad in (-0.01, 1.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"got {bad!r}" if math.isfinite(bad) else "finite real number"):
+            dfot_level_to_sigma(bad)
+        with pytest.raises(ValueError, match=f"got {bad!r}" if math.isfinite(bad) else "finite real number"):
+            sigma_to_dfot_level(bad)
+    with pytest.raises(ValueError, match="finite real number, got True"):
+        dfot_level_to_sigma(True)
+    with pytest.raises(ValueError, match="finite real number, got '0.4'"):
+        dfot_level_to_sigma("0.4")
+    with pytest.raises(ValueError, match="no level between 0 .* got 0.0005"):
+        dfot_level_to_sigma(0.0005, "shifted_cosine")
+    with pytest.raises(ValueError, match=r"reaches sigma 0 or \[0.0044.*got 0.001"):
+        sigma_to_dfot_level(0.001, "shifted_cosine")
+    with pytest.raises(ValueError, match="unknown DFoT schedule 'linear'"):
+        dfot_level_to_sigma(0.4, "linear")
+
+
+def test_new_defaults_are_dfots_levels_at_equal_snr():
+    """Issue 48: the defaults were sigma 0 (stabilization off) and sigma 0.4 (k_H); they are now DFoT's levels 0.02
+    and 0.4, i.e. sigma 0.0402 and 0.4246."""
+    rule = HistoryGuidance()
+    assert rule.units == "sigma"
+    assert rule.stabilization == pytest.approx(0.04015957521372477, rel=1e-14)
+    assert rule.fractional_sigma == pytest.approx(0.4245832760172952, rel=1e-14)
+    # generated history now reaches the views at sigma 0.0402 (it was clean), ground truth stays clean
+    views = _views(HistoryGuidance("fractional", scale=3.0).compile(4, generated=[False, False, True, True]))
+    s, k = rule.stabilization, rule.fractional_sigma
+    assert views == {GuidanceView((0.0, 0.0, s, s)): 1.0, GuidanceView((k,) * 4): 2.0, GuidanceView(EMPTY4, True): -2.0}
+    # in DFoT's units the defaults are the reference's numbers themselves, and compile to the same views
+    dfot = HistoryGuidance("fractional", scale=3.0, units="dfot")
+    assert (dfot.stabilization, dfot.fractional_sigma) == (0.02, 0.4)
+    assert _views(dfot.compile(4, generated=[False, False, True, True])) == views
+    # the former behaviour is one explicit value away
+    old = HistoryGuidance(stabilization=0.0, fractional_sigma=0.4)
+    assert old.stabilization_sigma == 0.0 and old.fractional_sigma_as_sigma == 0.4
+
+
+def test_dfot_units_give_the_same_guidance_as_the_converted_sigmas_bit_for_bit():
+    gen = [True, False, True]
+    pairs = [
+        (dict(kind="fractional", scale=4.0, fractional_sigma=0.4, stabilization=0.02, text_scale=2.0),
+         dict(fractional_sigma=dfot_level_to_sigma(0.4), stabilization=dfot_level_to_sigma(0.02))),
+        (dict(kind="fractional", scale=3.0, fractional_sigma=0.8, stabilization=0.0),
+         dict(fractional_sigma=dfot_level_to_sigma(0.8), stabilization=0.0)),
+        (dict(kind="vanilla", scale=2.0, stabilization=0.1),
+         dict(stabilization=dfot_level_to_sigma(0.1))),
+        (dict(kind="custom", terms=[HistoryTerm(2.0, (0, 1), 0.5), HistoryTerm(-0.5, (-1,), 0.1, True)],
+              stabilization=0.02),
+         dict(terms=[HistoryTerm(2.0, (0, 1), dfot_level_to_sigma(0.5)),
+                     HistoryTerm(-0.5, (-1,), dfot_level_to_sigma(0.1), True)],
+              stabilization=dfot_level_to_sigma(0.02))),
+    ]
+    for dfot_kwargs, sigma_override in pairs:
+        in_dfot = HistoryGuidance(**dfot_kwargs, units="dfot").compile(3, generated=gen)
+        in_sigma = HistoryGuidance(**{**dfot_kwargs, **sigma_override}, units="sigma").compile(3, generated=gen)
+        assert in_dfot == in_sigma  # the same views (every sigma bit for bit) and weights, in the same order
+        bank: dict = {}
+        assert torch.equal(in_dfot.combine(_preds(in_dfot, bank)), in_sigma.combine(_preds(in_sigma, bank)))
+        assert torch.equal(in_dfot.history_sigmas(dtype=torch.float64), in_sigma.history_sigmas(dtype=torch.float64))
+    # sigma units leave explicit values untouched (no round trip through the conversion)
+    assert _views(HistoryGuidance("fractional", scale=2.0, fractional_sigma=0.3, stabilization=0.02).compile(
+        2, generated=[False, True])) == {GuidanceView((0.0, 0.02)): 1.0, GuidanceView((0.3, 0.3)): 1.0,
+                                         GuidanceView((1.0, 1.0), True): -1.0}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(units="ddpm"), "unknown noise-level units 'ddpm'"),
+    (dict(units="dfot", stabilization=1.0), r"stabilization must be in \[0, 1\) in units='dfot' .* got 1.0"),
+    (dict(kind="fractional", units="dfot", fractional_sigma=-0.1), "fractional_sigma must be in .* got -0.1"),
+])
+def test_bad_units_and_levels_name_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HistoryGuidance(**kwargs)
+    with pytest.raises(ValueError, match="sigma must be in \\[0, 1\\) in units='dfot', got 1.0"):
+        HistoryGuidance("custom", terms=[HistoryTerm(1.0, sigma=1.0)], units="dfot").compile(2)

@@ -242,7 +242,7 @@ def test_keyframes_join_the_window_they_fall_in_and_come_back_unchanged(gen):
     assert out.network_calls == 3 * 3 and out.calls_per_frame == pytest.approx(9 / 8)
     assert torch.equal(out.video[:, 2:6], plain.video[:, 2:6])
     cond = gen.encode_prompts(PROMPTS)
-    compiled = HistoryGuidance().compile(4)
+    compiled = HistoryGuidance().compile(4, generated=[True, True, False, False])  # 4-5 generated, keys real
     with torch.no_grad():
         want, _ = sample_window(gen, torch.cat([out.video[:, 4:6], keys], dim=1), 2, cond, None, compiled, 2,
                                 torch.tensor([4, 5, 6]), ODE, 1, history_positions=[0, 1, 4, 5])
@@ -280,3 +280,37 @@ def test_keyframes_are_real_history_for_stabilization(gen):
 def test_bad_keyframes_are_refused(gen, kwargs, match):
     with pytest.raises(ValueError, match=match):
         history_rollout(gen, PROMPTS, FRAME, 12, seed=2, history=_history(), config=ODE, window=6, context=2, **kwargs)
+
+
+def test_the_default_rule_shows_generated_history_at_dfots_stabilization_level(gen, monkeypatch):
+    """Issue 48: history_rollout's default rule (HistoryGuidance()) now sees a later window's generated history at
+    DFoT's level 0.02, sigma 0.0402 at equal SNR (it was clean); the given history stays clean."""
+    seen = []
+    real = gen.velocity
+
+    def spy(x, sigma, cond, **kw):
+        seen.append(sigma.clone())
+        return real(x, sigma, cond, **kw)
+
+    monkeypatch.setattr(gen, "velocity", spy)
+    history_rollout(gen, PROMPTS, FRAME, 6, seed=0, history=_history(),
+                    config=RolloutConfig(num_steps=1, kernel="ode", micro_batch_size=16), window=4)
+    first, second = (s[:3] for s in seen)  # one view (conditional), 3 samples
+    assert len(seen) == 2 and (first[:, :2] == 0).all()
+    assert torch.equal(second[:, :2], torch.full((3, 2), 0.04015957521372477, dtype=torch.float32))
+
+
+def test_dfot_units_roll_out_exactly_as_the_converted_sigmas(gen):
+    from genrl.flow import dfot_level_to_sigma
+
+    in_dfot = HistoryGuidance("fractional", scale=3.0, fractional_sigma=0.4, stabilization=0.02, units="dfot")
+    in_sigma = HistoryGuidance("fractional", scale=3.0, fractional_sigma=dfot_level_to_sigma(0.4),
+                               stabilization=dfot_level_to_sigma(0.02))
+    a, b = (history_rollout(gen, PROMPTS, FRAME, 8, seed=3, history=_history(), guidance=rule, config=ODE, window=4)
+            for rule in (in_dfot, in_sigma))
+    assert torch.equal(a.video, b.video) and torch.equal(a.log_probs, b.log_probs)
+    # and differ from reading DFoT's numbers as sigmas (genrl before issue 48)
+    as_sigma = history_rollout(gen, PROMPTS, FRAME, 8, seed=3, history=_history(), config=ODE, window=4,
+                               guidance=HistoryGuidance("fractional", scale=3.0, fractional_sigma=0.4,
+                                                        stabilization=0.02))
+    assert (as_sigma.video[:, 2:] - a.video[:, 2:]).abs().max() > 1e-4

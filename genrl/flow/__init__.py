@@ -41,7 +41,18 @@ from genrl.flow.frame_schedules import (
 )
 from genrl.flow.guidance import cfg_combine
 from genrl.flow.hierarchical import HierarchicalAdvantages, hierarchical_advantages
-from genrl.flow.history_guidance import CompiledGuidance, GuidanceView, HistoryGuidance, HistoryTerm, combine_views
+from genrl.flow.history_guidance import (
+    DFOT_FRACTIONAL_LEVEL,
+    DFOT_STABILIZATION_LEVEL,
+    DFOT_TIMESTEPS,
+    CompiledGuidance,
+    GuidanceView,
+    HistoryGuidance,
+    HistoryTerm,
+    combine_views,
+    dfot_level_to_sigma,
+    sigma_to_dfot_level,
+)
 from genrl.flow.losses import SIGMA_SQRT_MIN_SIGMA, LossWeighting, flow_matching_loss, loss_weighting
 from genrl.flow.nft import (
     NFT_MIN_NORMALIZER,
@@ -160,6 +171,11 @@ __all__ = [
     "HistoryGuidance",
     "HistoryTerm",
     "combine_views",
+    "DFOT_FRACTIONAL_LEVEL",
+    "DFOT_STABILIZATION_LEVEL",
+    "DFOT_TIMESTEPS",
+    "dfot_level_to_sigma",
+    "sigma_to_dfot_level",
     "LossWeighting",
     "SIGMA_SQRT_MIN_SIGMA",
     "loss_weighting",

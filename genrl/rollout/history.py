@@ -11,7 +11,8 @@ the predictions before the step (not the stepped states) is what keeps a stochas
 
 :func:`history_rollout` extends a video past the model's window: the first window continues the given history (or
 starts from none); every later window keeps the last ``context`` frames as history, marked *generated* so that the
-rule's ``stabilization`` applies to them, and generates ``window - context`` new ones. Given *keyframes* (known frames
+rule's ``stabilization`` applies to them (by default DFoT's level 0.02, sigma 0.0402:
+:func:`genrl.flow.dfot_level_to_sigma`), and generates ``window - context`` new ones. Given *keyframes* (known frames
 at later positions, e.g. a target every 16 frames) join the history of the window they fall into, at their place in
 it (``sample_window``'s ``history_positions``), so that window generates the frames leading up to them.
 
@@ -251,7 +252,10 @@ def history_rollout(
         seed: run seed; indices: per-sample ids (default 0..B-1); they address all noise.
         history: the known frames in the generator's layout ([B, h0, *frame]; Wan: [B, C, h0, h, w]), or None
             (the first window starts from nothing).
-        guidance: the rule (default: conditional).
+        guidance: the rule (default ``HistoryGuidance()``: conditional, generated history seen at DFoT's
+            stabilization level 0.02, sigma 0.0402 at equal SNR; before issue 48 the default showed it clean: pass
+            ``HistoryGuidance(stabilization=0.0)`` for that). Its noise levels may be in DFoT's units
+            (``HistoryGuidance(units="dfot")``); the sampler sees sigmas only.
         config: kernel, steps, shift, micro-batching (``cfg_scale`` must be 1; default: an ODE rollout of 10 steps).
         window: frames the model sees at once (its training length; the shapes DiT: 8).
         context: history frames kept by every later window (default ``window // 2``); 0 < context < window.
