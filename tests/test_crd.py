@@ -5,37 +5,24 @@ schedules, resume with both snapshots checkpointed, bad input."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from shapes_cli_util import fit_on_shapes_base, trainable
 
 import genrl.methods.crd as crd_module
 from genrl.cli import GenRLCLI
 from genrl.flow.fm_core import sample_mse
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ["--config", str(ROOT / "configs/base/shapes.yaml"), "--config", str(ROOT / "configs/crd/shapes.yaml")]
+_METHOD = ["--model.init_args.rollout.num_steps=4", "--model.init_args.num_timesteps=2",
+           "--model.init_args.micro_batch_size=4"]
 
 
 def _fit(tiny_policy, tiny_text_encoder, args: list[str], run: bool = True) -> GenRLCLI:
-    import genrl.data  # noqa: F401
-    import genrl.methods  # noqa: F401
-
-    base = CONFIGS + ["--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
-                      "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: "
-                      "{dirpath: runs/shapes/checkpoints, save_last: true, every_n_train_steps: 1}}]",
-                      f"--model.init_args.generator.pretrained={tiny_policy}",
-                      f"--model.init_args.generator.text_encoder={tiny_text_encoder}",
-                      "--model.init_args.rollout.num_steps=4", "--model.init_args.rollout.micro_batch_size=8",
-                      "--model.init_args.rewards=[{name: colorfulness}]", "--model.init_args.num_timesteps=2",
-                      "--model.init_args.micro_batch_size=4", "--model.init_args.optimizer.init_args.lr=0.003",
-                      "--data.init_args.prompts_per_batch=2", "--data.init_args.group_size=4"]
-    return GenRLCLI(args=(["fit"] if run else []) + base + args, run=run)
+    return fit_on_shapes_base("configs/crd/shapes.yaml", tiny_policy, tiny_text_encoder, _METHOD + args, run)
 
 
-def _params(cli) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in cli.model.generator.transformer.named_parameters()}
+_params = trainable
 
 
 def _unit(adv: torch.Tensor) -> torch.Tensor:
