@@ -59,7 +59,11 @@ EXTRA = {  # a reward with signal on a random tiny policy (colorfulness) and tin
                     "--model.init_args.rewards=[{name: shapes}, {name: colorfulness}]",
                     "--model.init_args.optimizer.init_args.lr=0.003"],
     "ram": ["--model.init_args.rewards=[{name: shapes}, {name: colorfulness}]"],
-    "dpo": _PREFERENCE + ["--model.init_args.num_draws=2", "--model.init_args.micro_batch_size=1"],
+    # SGD without norm clipping: Adam's update (and a clipped gradient) barely sees a wrong overall gradient scale
+    # (e.g. a missing x W), SGD's is proportional to it
+    "dpo": _PREFERENCE + ["--model.init_args.num_draws=2", "--model.init_args.micro_batch_size=1",
+                          "--model.init_args.max_grad_norm=0",
+                          "--model.init_args.optimizer={class_path: torch.optim.SGD, init_args: {lr: 0.05}}"],
     "dgpo": _PREFERENCE + ["--model.init_args.num_timesteps=2", "--model.init_args.trunc_steps=null",
                            "--model.init_args.micro_batch_size=4"],
 }
