@@ -15,8 +15,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from genrl.flow import add_noise
-from genrl.flow.forward_rl import advantage_weighted_fm_loss, sample_timesteps
+from genrl.flow.forward_rl import advantage_weighted_fm_loss
 from genrl.methods.common import (
     advance_iteration,
     configure_policy,
@@ -24,10 +23,9 @@ from genrl.methods.common import (
     init_method,
     log_validation_rewards,
 )
-from genrl.methods.phases import collect_endpoints, group_advantages_of, optimizer_steps, score
+from genrl.methods.phases import collect_endpoints, group_advantages_of, optimizer_steps, renoise, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.noise import mix_seed, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["RewardWeightedRegression"]
@@ -71,11 +69,9 @@ class RewardWeightedRegression(LightningModule):
         w = w / w[valid].mean()
 
         def unit():
-            x0 = ro.samples.float()
-            t = sample_timesteps(len(index), mix_seed(h.seed, it, 41), index, density="uniform").to(x0.device)
-            eps = randn_per_sample(x0.shape[1:], mix_seed(h.seed, it, 42), index, device=x0.device)
-            v = gen.velocity(add_noise(x0, eps, t), t, gen.encode_prompts(prompts)).float()
-            loss = advantage_weighted_fm_loss(v, eps - x0, w.to(v.device))
+            t, _, x_t, u = renoise(ro.samples.float(), index, h.seed, it, 0, 41, 42, density="uniform")
+            v = gen.velocity(x_t, t, gen.encode_prompts(prompts)).float()
+            loss = advantage_weighted_fm_loss(v, u, w.to(v.device))
             return loss, {"loss": float(loss.detach())}, 1
 
         stats = optimizer_steps(self, self.optimizers(), [[unit]], h.max_grad_norm)
