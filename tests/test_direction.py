@@ -54,6 +54,8 @@ CASES = {
     "mixgrpo": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml", "configs/grpo/shapes_mixgrpo.yaml"],
                 ["--model.init_args.rollout.window_iterations=1", "--model.init_args.clip_range=0.2",
                  "--model.init_args.optimizer.init_args.lr=0.003"], 4),
+    "tempflow": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml", "configs/grpo/shapes_tempflow.yaml"],
+                 ["--model.init_args.clip_range=0.2", "--model.init_args.optimizer.init_args.lr=0.003"], 4),
     "pref_grpo": (["configs/quickstart.yaml", "configs/tiny/grpo.yaml", "configs/grpo/shapes_pref.yaml"],
                   ["--model.init_args.rewards=[{name: pairwise, judge: test_brightness}]",
                    "--model.init_args.clip_range=0.2", "--model.init_args.optimizer.init_args.lr=0.003"], 4),

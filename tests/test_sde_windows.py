@@ -197,3 +197,32 @@ def test_progressive_steps_before_the_window_are_the_ode_path(gen):
     assert torch.equal(traj.latents[:, :4], ode.latents[:, :4])
     assert not torch.allclose(traj.latents[:, 4], ode.latents[:, 4])
     assert not torch.allclose(traj.final.cpu(), ode.final.cpu())
+
+
+def test_tempflow_branch_group_members_share_the_prefix_and_differ_only_through_the_branch_step(gen):
+    """initial_noise: group with a one-step window (TempFlow's single branch step): the members of a group (same
+    prompt) enter the branch step in the same state bit for bit, their samples differ from the next state on only by
+    that step's per-sample noise, and another group (other key) starts elsewhere; without the keys it is an error."""
+    cfg = RolloutConfig(num_steps=6, kernel="flow_grpo", micro_batch_size=4, sde_steps="window", num_sde_steps=1,
+                        window_start=2, window_end=3, initial_noise="group")
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    group = torch.tensor([5, 5, 5, 9, 9, 9])
+    traj = rollout(gen, prompts, SHAPE, seed=3, indices=torch.arange(10, 16), config=cfg, initial_keys=group)
+    assert traj.sde_steps == [2]
+    for rows in ((0, 1, 2), (3, 4, 5)):
+        for k in range(3):  # steps 0..2: one state per group
+            assert all(torch.equal(traj.latents[rows[0], k], traj.latents[r, k]) for r in rows[1:])
+        assert not torch.allclose(traj.latents[rows[0], 3], traj.latents[rows[1], 3])  # the branch step's noise
+        # the difference after the branch step is that step's noise, scaled by its std, exactly
+        drift = traj.latents[rows[0], 3] - traj.latents[rows[1], 3]
+        scale = drift.flatten().norm() / (traj.noises[rows[0], 2] - traj.noises[rows[1], 2]).flatten().norm()
+        torch.testing.assert_close(drift, scale * (traj.noises[rows[0], 2] - traj.noises[rows[1], 2]))
+    assert not torch.allclose(traj.latents[0, 0], traj.latents[3, 0])  # another group, another start
+    # the per-sample default gives every member its own start
+    own = rollout(gen, prompts, SHAPE, seed=3, indices=torch.arange(10, 16),
+                  config=RolloutConfig(**{**vars(cfg), "initial_noise": "sample"}))
+    assert not torch.equal(own.latents[0, 0], own.latents[1, 0])
+    with pytest.raises(ValueError, match="initial_keys"):
+        rollout(gen, prompts, SHAPE, seed=3, config=cfg)
+    with pytest.raises(ValueError, match="initial_noise"):
+        RolloutConfig(initial_noise="prompt")

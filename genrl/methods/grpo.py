@@ -140,6 +140,9 @@ class GRPO(LightningModule):
                 f"{inner_epochs}), mini_batch_size: null (got {mini_batch_size}) and no preview (got "
                 f"{'a preview' if preview is not None else 'none'}); set reuse_rollout_forward: false for these"
             )
+        if preview is not None and rollout is not None and rollout.initial_noise == "group":
+            raise ValueError("rollout.initial_noise: group (a group's shared starting noise) does not combine with "
+                             "preview (its candidates are kept by sample); use initial_noise: sample with preview")
         self.needs_moments = check_policy_loss(policy_loss, policy_loss_args)
         init_method(self, generator, rewards, reward_combine)
         self.rollout_config = rollout or RolloutConfig()
@@ -205,7 +208,7 @@ class GRPO(LightningModule):
         if reuse:
             check_no_dropout(gen)
         ro = collect_flat(gen, prompts, self.latent_shape, h.seed, index, cfg, it, keep_graph=reuse,
-                          record_moments=self.needs_moments)
+                          record_moments=self.needs_moments, group=group)
         scores = score(self, self.scorer, ro, group, iteration=it)
         log_proxy_fidelity(self, selection, scores.result.total, scores.result.valid)
         adv = group_advantages_of(self, scores, std=h.advantage_std, eps=h.advantage_eps,

@@ -75,15 +75,17 @@ def _eval_mode(generator):
 
 
 def collect_flat(generator, prompts: list[str], latent_shape, seed: int, index: torch.Tensor, config: RolloutConfig,
-                 iteration: int, keep_graph: bool = False, record_moments: bool = False) -> Rollouts:
+                 iteration: int, keep_graph: bool = False, record_moments: bool = False,
+                 group: torch.Tensor | None = None) -> Rollouts:
     """Flat rollouts (Flow-GRPO / DanceGRPO): one trajectory per prompt with the stochastic kernel of ``config``,
     per-step latents and log-probs recorded; decoded for scoring. Noise addressed by (seed, sample index, step) and
     the SDE window by (seed, iteration). ``keep_graph``: the stochastic steps' forwards keep their autograd graphs
     (``rollout(grad="sde")``, ``Trajectory.live``) for an on-policy update that reuses them; ``record_moments``: each
-    step's transition mean and std are kept too (``Trajectory.step_moments``; one latent per step more)."""
+    step's transition mean and std are kept too (``Trajectory.step_moments``; one latent per step more); ``group``:
+    the samples' group ids, which address the starting noise under ``config.initial_noise == "group"``."""
     was = _eval_mode(generator)
     traj = rollout(generator, prompts, latent_shape, seed, index, config, rollout_id=iteration,
-                   grad="sde" if keep_graph else "none", record_moments=record_moments)
+                   grad="sde" if keep_graph else "none", record_moments=record_moments, initial_keys=group)
     pixels = generator.decode(traj.final)
     generator.train(was)
     return Rollouts(list(prompts), pixels, traj)

@@ -103,6 +103,12 @@ class RolloutConfig:
         schedule: an explicit sigma schedule of ``num_steps + 1`` values, descending from at most 1 to 0, used instead
             of the shifted uniform one (e.g. the ``sigmas`` of a diffusers scheduler after ``set_timesteps``, to
             reproduce a diffusers pipeline exactly). ``shift`` is then ignored.
+        initial_noise: ``"sample"`` (default: every sample's starting noise addressed by its own index) or
+            ``"group"``: the starting noise addressed by the sample's group id (:func:`rollout`'s ``initial_keys``),
+            so a group's members coincide until its first stochastic step and differ only through that step's noise
+            and after it ("seed groups" of TempFlow-GRPO, He et al. 2025, arXiv 2508.04324; with ``sde_steps:
+            window`` and ``num_sde_steps: 1`` this is TempFlow's single branch step: a shared ODE prefix, one SDE
+            step, ODE after). The stochastic steps' noise stays per sample.
     """
 
     num_steps: int = 10
@@ -123,6 +129,7 @@ class RolloutConfig:
     schedule: list[float] | None = None
     batching: Batching = "fixed"
     noise_backend: NoiseBackend = "generator"
+    initial_noise: Literal["sample", "group"] = "sample"
 
     def __post_init__(self) -> None:
         if self.schedule is not None:
@@ -147,6 +154,9 @@ class RolloutConfig:
         check_backend(self.noise_backend)
         if self.sde_steps not in SDE_STEP_MODES:
             raise ValueError(f"unknown sde_steps {self.sde_steps!r}; use one of {SDE_STEP_MODES}")
+        if self.initial_noise not in ("sample", "group"):
+            raise ValueError(f"initial_noise must be 'sample' (per sample) or 'group' (shared by a group's members), "
+                             f"got {self.initial_noise!r}")
         if self.sde_steps != "all" and not 1 <= self.num_sde_steps <= self.num_steps:
             raise ValueError(f"num_sde_steps must be in [1, num_steps={self.num_steps}], got {self.num_sde_steps}")
         for name in ("window_iterations", "window_stride"):
@@ -435,6 +445,7 @@ def rollout(
     record_moments: bool = False,
     grad: Literal["none", "full", "sde"] = "none",
     progress: bool = False,
+    initial_keys: Sequence[int] | torch.Tensor | None = None,
 ) -> Trajectory:
     """Sample a batch of trajectories.
 
@@ -454,10 +465,13 @@ def rollout(
             (:class:`~genrl.methods.GRPO` ``reuse_rollout_forward``). Memory: the activations of every stochastic
             step of the whole batch are held until the update.
         progress: show a progress bar over steps.
+        initial_keys: with ``config.initial_noise == "group"``, the samples' group ids [B]: the starting noise of a
+            sample is addressed by (seed, its group id, stream 1), the same for every member of a group.
     Returns:
         :class:`Trajectory`.
     Raises:
-        ValueError: len(indices) != len(prompts), or an unknown grad policy.
+        ValueError: len(indices) != len(prompts), an unknown grad policy, or ``initial_noise: group`` without
+            ``initial_keys`` of length B.
     """
     config = config or RolloutConfig()
     if grad not in ("none", "full", "sde"):
@@ -474,7 +488,15 @@ def rollout(
     ctx = torch.enable_grad() if grad == "full" else torch.no_grad()
     with ctx:
         cond, uncond = _encode(generator, list(prompts), config)
-        x = randn_per_sample(latent_shape, seed, indices, step=0, device=device, backend=config.noise_backend)
+        if config.initial_noise == "group":
+            if initial_keys is None or len(initial_keys) != n:
+                raise ValueError(f"initial_noise: group shares the starting noise by group id: pass initial_keys (the "
+                                 f"{n} samples' group ids; GRPO passes batch['group']), got "
+                                 f"{None if initial_keys is None else len(initial_keys)}")
+            x = randn_per_sample(latent_shape, seed, torch.as_tensor(list(map(int, initial_keys))), step=0, stream=1,
+                                 device=device, backend=config.noise_backend)
+        else:
+            x = randn_per_sample(latent_shape, seed, indices, step=0, device=device, backend=config.noise_backend)
         latents, noises, log_probs, means = [x.detach().cpu()], [], [], []
         steps = range(config.num_steps)
         if progress:
