@@ -45,6 +45,7 @@ from genrl.methods.phases import (
     gathered_pass,
     grid_sigmas,
     group_advantages_of,
+    micro_batches,
     optimizer_steps,
     score,
 )
@@ -204,7 +205,7 @@ class CRD(LightningModule):
                                   iteration=it)
         n, x0, sig, all_adv = len(prompts), ro.samples, self.sigmas(it), gather_batch(self, adv)
         cond, mb, per_update = gen.encode_prompts(prompts), h.micro_batch_size or n, len(sig) // h.updates_per_iteration
-        chunks = [torch.arange(s, min(s + mb, n)) for s in range(0, n, mb)]
+        chunks = micro_batches(n, mb)
 
         def unit(m: int, c: torch.Tensor, terms: torch.Tensor):
             old = rank_slice(self, terms, n)[c]

@@ -43,6 +43,7 @@ from genrl.methods.phases import (
     gathered_pass,
     grid_sigmas,
     group_advantages_of,
+    micro_batches,
     optimizer_steps,
     score,
 )
@@ -185,7 +186,7 @@ class DGPO(LightningModule):
                                   iteration=it).clamp(-h.adv_clip, h.adv_clip)
         n, x0, sig = len(prompts), ro.samples, self.sigmas(it)
         cond, mb = gen.encode_prompts(prompts), h.micro_batch_size or n
-        chunks = [torch.arange(s, min(s + mb, n)) for s in range(0, n, mb)]
+        chunks = micro_batches(n, mb)
         size = int(torch.unique(scores.group, return_counts=True)[1].max())  # K (groups may span ranks)
 
         def logits(m: int) -> torch.Tensor:

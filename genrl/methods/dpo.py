@@ -43,6 +43,7 @@ from genrl.methods.phases import (
     best_worst_pairs_of,
     collect_endpoints,
     flat_validation_step,
+    micro_batches,
     optimizer_steps,
     renoise,
     role_velocity,
@@ -220,7 +221,7 @@ class DPO(LightningModule):
         # anywhere (all groups tied): the same optimizer steps with no gradient, which leave weights and state as
         # they are (torch optimizers skip parameters without a gradient) while the step count advances.
         mb, per_update = h.micro_batch_size or max(p, 1), h.num_draws // h.updates_per_iteration
-        chunks = [torch.arange(s, min(s + mb, p)) for s in range(0, p, mb)]
+        chunks = micro_batches(p, mb)
         cond_all = gen.encode_prompts(pairs.prompts * 2) if p else None
 
         def unit(draw: int, c: torch.Tensor):

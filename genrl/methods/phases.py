@@ -46,8 +46,8 @@ from genrl.rollout.tree import TreeConfig, tree_rollout
 
 __all__ = ["Pairs", "Rollouts", "Scores", "best_worst_pairs_of", "caption_dropout", "collect_endpoints",
            "collect_flat", "collect_tree", "errors_at", "flat_validation", "flat_validation_step", "gathered_pass",
-           "grid_sigmas", "group_advantages_of", "optimizer_steps", "renoise", "reward_spread", "role_velocity",
-           "score", "update_plan", "video_batch"]
+           "grid_sigmas", "group_advantages_of", "micro_batches", "optimizer_steps", "renoise", "reward_spread",
+           "role_velocity", "score", "update_plan", "video_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -305,6 +305,12 @@ def reward_spread(module: LightningModule, scores: Scores, advantages: torch.Ten
     return rstd
 
 
+def micro_batches(n: int, size: int) -> list[torch.Tensor]:
+    """The consecutive row chunks of ``n`` rows, ``size`` each (the last one shorter): int64 index tensors, none when
+    ``n`` is 0. The micro-batches of one optimizer step, or (:func:`update_plan`) the mini-batches of one pass."""
+    return [torch.arange(s, min(s + size, n)) for s in range(0, n, size)]
+
+
 def update_plan(seed: int, iteration: int, n: int, mini_batch: int, inner_epochs: int = 1,
                 stream: int = 11) -> list[torch.Tensor]:
     """The rows of every optimizer step of a PPO-style update (Schulman et al. 2017, "epochs" of mini-batches over one
@@ -328,7 +334,7 @@ def update_plan(seed: int, iteration: int, n: int, mini_batch: int, inner_epochs
             order = torch.randperm(n, generator=torch.Generator().manual_seed(mix_seed(seed, iteration, epoch, stream)))
         else:
             order = torch.arange(n)
-        plan += [order[s : s + mini_batch] for s in range(0, n, mini_batch)]
+        plan += [order[rows] for rows in micro_batches(n, mini_batch)]
     return plan
 
 

@@ -42,6 +42,7 @@ from genrl.methods.phases import (
     collect_endpoints,
     flat_validation_step,
     group_advantages_of,
+    micro_batches,
     optimizer_steps,
     renoise,
     reward_spread,
@@ -231,7 +232,7 @@ class RAM(LightningModule):
         self.log("train/zero_advantage_invalid", float((~scores.result.valid).sum()), batch_size=n)
         x0, mb, per_update = ro.samples, h.micro_batch_size or n, h.num_draws // h.updates_per_iteration
         cond_all = gen.encode_prompts(prompts)
-        chunks = [torch.arange(s, min(s + mb, n)) for s in range(0, n, mb)]
+        chunks = micro_batches(n, mb)
 
         def unit(draw: int, c: torch.Tensor):
             loss, stats = self.unit_loss(x0[c.to(x0.device)], adv[c], cond_all.select(c.tolist()), index[c], it, draw)
