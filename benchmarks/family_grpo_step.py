@@ -41,6 +41,9 @@ _T5_TOK = dict(specials=["<pad>", "</s>", "<unk>"], model_max_length=512)
 _CLIP_TOK = dict(specials=["<|startoftext|>", "<pad>", "<unk>", "<|endoftext|>"], bos_token="<|startoftext|>",
                  eos_token="<|endoftext|>", pad_token="<pad>", unk_token="<unk>", add_bos=True, add_eos=True,
                  model_max_length=77)
+# Qwen2.5-VL's chat-template specials and line breaks (the pipeline drops the template's first 34 tokens)
+_QWEN_TOK = dict(specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"], pad_token="<|endoftext|>",
+                 eos_token="<|im_end|>", unk_token="<unk>", add_eos=False, newline_token=True, model_max_length=1024)
 
 
 def _clip(hidden: int) -> dict:
@@ -71,8 +74,77 @@ REAL = {
         "text_encoder": _clip(768), "text_encoder_2": _clip(1280), "text_encoder_3": _T5_1L,
         "tokenizer": _CLIP_TOK, "tokenizer_2": _CLIP_TOK, "tokenizer_3": _T5_TOK,
     },
+    "qwen_image": {  # Qwen/Qwen-Image's transformer/config.json; AutoencoderKLQwenImage's defaults are its VAE
+        "transformer": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                            num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                            axes_dims_rope=[16, 56, 56]),
+        "vae": {},
+        "text_encoder": dict(  # Qwen2.5-VL-7B's text width and heads, one layer; a one-block vision tower
+            text_config=dict(hidden_size=3584, intermediate_size=256, num_hidden_layers=1, num_attention_heads=28,
+                             num_key_value_heads=4, vocab_size=256, rope_theta=1e6, bos_token_id=0, eos_token_id=2,
+                             pad_token_id=0, rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default",
+                                                           "type": "default"}),
+            vision_config=dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2, out_hidden_size=3584),
+            hidden_size=3584, vocab_size=256, bos_token_id=0, eos_token_id=2, pad_token_id=0),
+        "tokenizer": _QWEN_TOK,
+    },
 }
 SIZES = {"wan": dict(height=480, width=832, num_frames=81), "sd3": dict(height=512, width=512, num_frames=1)}
+# FLUX.2 [dev] (32.2B; black-forest-labs/FLUX.2-dev's transformer/config.json, AutoencoderKLFlux2's defaults are its
+# VAE). Mistral-Small-3.1's text width (5120) cut thin (4 heads of 64, MLP 256) but 30 layers deep, so that the
+# pipeline's stacked hidden states (layers 10, 20, 30) exist; the model card's 1024x1024
+REAL["flux2"] = {
+    "transformer": dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                        num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
+                        mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32], rope_theta=2000, guidance_embeds=True),
+    "vae": {},
+    "text_encoder": dict(
+        text_config=dict(model_type="mistral", vocab_size=256, hidden_size=5120, intermediate_size=256,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=64, num_hidden_layers=30,
+                         max_position_embeddings=1024, rope_theta=1e9, sliding_window=None, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=5),
+        vision_config=dict(model_type="pixtral", hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, image_size=64, patch_size=16, num_channels=3),
+        bos_token_id=1, eos_token_id=2, pad_token_id=5, image_token_index=10, spatial_merge_size=2),
+    "tokenizer": dict(chat_template="mistral", specials=["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "<pad>"],
+                      pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>", add_bos=False,
+                      add_eos=False, model_max_length=512),
+}
+SIZES["flux2"] = dict(height=1024, width=1024, num_frames=1)
+SIZES["qwen_image"] = dict(height=512, width=512, num_frames=1)  # configs/grpo/qwen_image.yaml
+# SkyReels-V2-DF-1.3B-540P (its transformer config in diffusers' scripts/convert_skyreelsv2_to_diffusers.py:
+# Wan2.1-1.3B's sizes plus the fps embedding, inject_sample_info; 1.44B parameters); Wan2.1's VAE; 544x960x97 as
+# configs/grpo/skyreels_v2_t2v.yaml
+REAL["skyreels_v2"] = {
+    "transformer": dict(patch_size=[1, 2, 2], num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                        out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                        qk_norm="rms_norm_across_heads", eps=1e-6, inject_sample_info=True),
+    "vae": {},  # AutoencoderKLWan's defaults are Wan2.1's VAE
+    "text_encoder": _T5_1L,
+    "tokenizer": _T5_TOK,
+}
+SIZES["skyreels_v2"] = dict(height=544, width=960, num_frames=97)
+# HunyuanVideo-1.5 480p T2V (8.3B; the 480p_t2v transformer config of diffusers'
+# scripts/convert_hunyuan_video1_5_to_diffusers.py; AutoencoderKLHunyuanVideo15's defaults are its VAE). Qwen2.5-VL-7B's
+# text width and heads cut to 2 layers (the pipeline reads the third-to-last hidden state), ByT5-small's width cut to
+# one layer; the released size 480x848x121 (FAMILY_DEFAULTS)
+REAL["hunyuan_video15"] = {
+    "transformer": dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
+                        num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1, qk_norm="rms_norm",
+                        text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152, rope_theta=256.0,
+                        rope_axes_dim=[16, 56, 56], target_size=640, task_type="t2v"),
+    "vae": {},
+    "text_encoder": dict(vocab_size=256, hidden_size=3584, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=28, num_key_value_heads=4, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=2, rope_parameters={"mrope_section": [16, 24, 24], "rope_type": "default",
+                                                          "rope_theta": 1e6}),
+    "tokenizer": {},
+    "text_encoder_2": dict(vocab_size=384, d_model=1472, d_ff=256, d_kv=64, num_heads=6, num_layers=1,
+                           relative_attention_num_buckets=32, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
+    "tokenizer_2": {},
+    "guider": dict(guidance_scale=6.0),
+}
+SIZES["hunyuan_video15"] = dict(height=480, width=848, num_frames=121)
 
 
 def _sync():

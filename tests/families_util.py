@@ -39,9 +39,13 @@ def pipeline_with_lora(pipeline_class, folder: Path, generator, lora_dir: Path):
 
 
 def grpo_two_steps(family: str, folder: Path, lora: dict | None = None, kernel: str = "flow_grpo",
-                   cfg_scale: float = 1.0, num_frames: int | None = None):
-    """Run 2 GRPO iterations of the tiny ``family`` loaded offline from ``folder``; returns
-    (model, trainable parameters before, after)."""
+                   cfg_scale: float = 1.0, num_frames: int | None = None, train: str = "shapes:train",
+                   options: dict | None = None, max_steps: int = 2, sde_steps: str = "all",
+                   preconfigure: bool = True):
+    """Run ``max_steps`` GRPO iterations of the tiny ``family`` loaded offline from ``folder`` on the prompts ``train``
+    (an image-to-video family: a .jsonl with ``image`` per line), with family ``options``; ``sde_steps`` "all" or
+    "window_low" (only step 1 of 3 is stochastic); ``preconfigure`` False lets ``fit`` build the model (as ``genrl
+    fit`` does; "before" is then empty); returns (model, trainable parameters before, after)."""
     from lightning.pytorch import Trainer
 
     from genrl.data import PromptDataModule
@@ -54,23 +58,27 @@ def grpo_two_steps(family: str, folder: Path, lora: dict | None = None, kernel: 
     size = dict(TINY_SIZE[family])
     if num_frames is not None:
         size["num_frames"] = num_frames
-    spec = GeneratorSpec(family=family, pretrained=str(folder), **size)
+    spec = GeneratorSpec(family=family, pretrained=str(folder), options=dict(options or {}), **size)
     model = GRPO(
         generator=spec,
-        rollout=RolloutConfig(num_steps=3, kernel=kernel, sde_steps="all", micro_batch_size=4, cfg_scale=cfg_scale),
+        rollout=RolloutConfig(num_steps=3, kernel=kernel, micro_batch_size=4, cfg_scale=cfg_scale,
+                              **(dict(sde_steps="all") if sde_steps == "all" else
+                                 dict(sde_steps="window", num_sde_steps=1, window_start=1, window_end=2))),
         eval_rollout=RolloutConfig(num_steps=2, kernel="ode", micro_batch_size=4),
         rewards=[{"name": "colorfulness"}],
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
         lora=LoraSpec(**lora) if lora is not None else None,
         clip_range=1e-3,
     )
-    data = PromptDataModule(train="shapes:train", val=None, prompts_per_batch=2, group_size=2, seed=0)
-    trainer = Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    data = PromptDataModule(train=train, val=None, prompts_per_batch=2, group_size=2, seed=0)
+    trainer = Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       limit_val_batches=0)
-    model.configure_model()
-    before = {n: p.detach().clone() for n, p in model.generator.transformer.named_parameters() if p.requires_grad}
+    before = {}
+    if preconfigure:
+        model.configure_model()
+        before = {n: p.detach().clone() for n, p in model.generator.transformer.named_parameters() if p.requires_grad}
     trainer.fit(model, data)
     after = {n: p.detach().clone() for n, p in model.generator.transformer.named_parameters() if p.requires_grad}
-    assert int(model.iteration) == 2
+    assert int(model.iteration) == max_steps
     return model, before, after

@@ -18,7 +18,11 @@ FAMILY_CONFIGS = {
     "wan": "configs/grpo/wan2.1_t2v_1.3b.yaml",
     "sd3": "configs/grpo/sd3.5_medium.yaml",
     "flux": "configs/grpo/flux.1_dev.yaml",
+    "flux2": "configs/grpo/flux.2_dev.yaml",
     "sana": "configs/grpo/sana.yaml",
+    "hunyuan_video15": "configs/grpo/hunyuan_video1.5_t2v.yaml",
+    "skyreels_v2": "configs/grpo/skyreels_v2_t2v.yaml",
+    "qwen_image": "configs/grpo/qwen_image.yaml",
 }
 CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")
                  if p.parent.name != "arena")  # arena configs: tests/test_arena.py
@@ -150,6 +154,62 @@ def test_family_config_trains_on_tiny_components(method, family, tmp_path, monke
         report = cli.model.roles.get("rollout").report
         assert report.replaced and any("embed" in k for k in report.kept), str(report)
         assert "preview/spearman" in cli.trainer.logged_metrics
+
+
+#: the Wan2.2 and image-to-video GRPO recipes, each composed after a Wan2.1 one: (tiny layout, configs, image prompts)
+WAN_CONFIGS = [
+    ("wan22", ["configs/grpo/wan2.1_t2v_1.3b.yaml", "configs/grpo/wan2.2_t2v_a14b.yaml"], False),
+    ("wan22_ti2v", ["configs/grpo/wan2.1_t2v_1.3b.yaml", "configs/grpo/wan2.2_ti2v_5b.yaml"], False),
+    ("wan_i2v", ["configs/grpo/wan2.1_i2v_14b.yaml"], True),
+    ("wan22_i2v", ["configs/grpo/wan2.1_i2v_14b.yaml", "configs/grpo/wan2.2_i2v_a14b.yaml"], True),
+    ("wan22_ti2v", ["configs/grpo/wan2.1_i2v_14b.yaml", "configs/grpo/wan2.2_ti2v_5b_i2v.yaml"], True),
+]
+
+
+@pytest.mark.parametrize("tiny,configs,images", WAN_CONFIGS, ids=[c[1][-1].split("/")[-1] for c in WAN_CONFIGS])
+def test_wan22_and_i2v_configs_train_on_tiny_components(tiny, configs, images, tmp_path, monkeypatch):
+    """The Wan2.2 / image-to-video recipes train through the real CLI with tiny random weights (image prompts from a
+    .jsonl of tiny images), LoRA only, and the condition is part of the prompt cache."""
+    import numpy as np
+    from PIL import Image
+
+    from genrl.testing.families import TINY_SIZE, tiny_generator_spec
+
+    monkeypatch.chdir(tmp_path)
+    data = {"group_size": 2, "prompts_per_batch": 1}
+    if images:
+        size = TINY_SIZE[tiny]
+        lines = []
+        for i, text in enumerate(["a red circle moving left", "a blue square staying still"]):
+            pixels = np.random.default_rng(i).integers(0, 256, (size["height"], size["width"], 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(tmp_path / f"first_{i}.png")
+            lines.append(json.dumps({"prompt": text, "image": f"first_{i}.png"}))
+        (tmp_path / "i2v.jsonl").write_text("\n".join(lines))
+        data.update(train=str(tmp_path / "i2v.jsonl"), val=str(tmp_path / "i2v.jsonl"))
+    spec = tiny_generator_spec(tiny, str(tmp_path / "cache"))
+    spec.pop("pretrained")
+    override = {
+        "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 1, "limit_val_batches": 0,
+                    "enable_progress_bar": False, "logger": False},
+        "model": {"init_args": {
+            "generator": {**spec, "pretrained": None},
+            "rollout": {"num_steps": 3, "num_sde_steps": 1, "micro_batch_size": 2, "sde_candidates": [0, 1]}
+            if images else {"num_steps": 3, "num_sde_steps": 2, "micro_batch_size": 2},
+            "mini_batch_size": 2, "lora": {"rank": 4}, "rewards": [{"name": "colorfulness"}],
+        }},
+        "data": {"init_args": data},
+    }
+    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
+    args = [a for c in configs for a in ("--config", str(ROOT / c))] + ["--config", str(tmp_path / "tiny.yaml")]
+    cli = _cli(args, run=False)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    params = dict(cli.model.generator.transformer.named_parameters())
+    assert all("lora_" in k for k, p in params.items() if p.requires_grad)
+    assert int(cli.model.iteration) == 1 and list((tmp_path / "cache").glob("*.pt"))
+    if images:
+        cond = cli.model.generator.encode_prompts(cli.datamodule.train_records[0:1] and
+                                                  [cli.datamodule.train_records[0].prompt])
+        assert cond.extras  # the image condition travels with the prompt
 
 
 def _tiny_wan_dmd(**init_args) -> dict:

@@ -10,6 +10,7 @@ import torch
 from families_util import save_tiny_pipeline
 
 from genrl.models.families import FAMILIES, GeneratorSpec, build_generator, family_class
+from genrl.models.families.base import CONFIG_FILES
 from genrl.testing.families import TINY, TINY_SIZE
 
 
@@ -36,9 +37,9 @@ def test_every_missing_part_is_named(family_folder, tmp_path):
             for f in (broken / name).iterdir():
                 f.unlink()
             what = rf"missing tokenizer files in .*{name}'"
-        else:
-            (broken / name / "scheduler_config.json").unlink()
-            what = rf"missing .*{name}/scheduler_config.json"
+        else:  # a config-only folder: scheduler / guider
+            (broken / name / CONFIG_FILES[kind]).unlink()
+            what = rf"missing .*{name}/{CONFIG_FILES[kind]}"
         with pytest.raises(FileNotFoundError, match=rf"{what}.*{layout}"):
             build_generator(_spec(family, broken))
         shutil.rmtree(broken / name)
@@ -51,6 +52,17 @@ def test_every_missing_part_is_named(family_folder, tmp_path):
         build_generator(_spec(family, tmp_path / "nowhere"))
 
 
+def _prompts(family: str, texts: list[str]) -> list[str]:
+    """``texts``, each with a (seeded, sample-sized) conditioning image when the family needs one."""
+    from genrl.models.conditions import Prompt
+
+    if not family_class(family).requires_image:
+        return texts
+    size = TINY_SIZE[family]
+    gen = torch.Generator().manual_seed(0)
+    return [Prompt(t, torch.rand(3, size["height"], size["width"], generator=gen)) for t in texts]
+
+
 def test_reload_equals_the_saved_model(family_folder):
     family, folder = family_folder
     built = family_class(family).from_config(TINY[family], seed=0, **TINY_SIZE[family])
@@ -58,7 +70,7 @@ def test_reload_equals_the_saved_model(family_folder):
     saved = dict(built.transformer.state_dict())
     for key, value in loaded.transformer.state_dict().items():
         assert torch.equal(value, saved[key]), key
-    prompts = ["a red circle moving left", ""]
+    prompts = _prompts(family, ["a red circle moving left", ""])
     a, b = built.encode_prompts(prompts), loaded.encode_prompts(prompts)
     assert torch.equal(a.hidden_states, b.hidden_states) and torch.equal(a.attention_mask, b.attention_mask)
 
@@ -67,7 +79,7 @@ def test_disk_prompt_cache_serves_a_new_process(family_folder, tmp_path, monkeyp
     family, folder = family_folder
     spec = GeneratorSpec(family=family, pretrained=str(folder), prompt_cache_dir=str(tmp_path / "cache"),
                          **TINY_SIZE[family])
-    prompts = ["a red circle moving left", "a blue square staying still", ""]
+    prompts = _prompts(family, ["a red circle moving left", "a blue square staying still", ""])
     first = build_generator(spec).encode_prompts(prompts)
     assert len(list((tmp_path / "cache").glob("*.pt"))) == 3
     fresh = build_generator(spec)
@@ -78,6 +90,8 @@ def test_disk_prompt_cache_serves_a_new_process(family_folder, tmp_path, monkeyp
     monkeypatch.setattr(fresh, "_encode_uncached", no_encoder)
     again = fresh.encode_prompts(prompts)
     assert torch.equal(first.hidden_states, again.hidden_states)
+    assert first.extras.keys() == again.extras.keys()
+    assert all(torch.equal(first.extras[k], again.extras[k]) for k in first.extras)
     assert (first.pooled is None) == (again.pooled is None)
     if first.pooled is not None:
         assert torch.equal(first.pooled, again.pooled)
@@ -93,7 +107,7 @@ def test_bf16_weights_and_gradient_checkpointing(family_folder):
     full = build_generator(_spec(family, folder))
     half = build_generator(GeneratorSpec(family=family, pretrained=str(folder), torch_dtype="bfloat16",
                                          **TINY_SIZE[family]))
-    prompts = ["a red circle moving left", "a blue square staying still"]
+    prompts = _prompts(family, ["a red circle moving left", "a blue square staying still"])
     x = randn_per_sample(full.latent_shape, seed=0, indices=[0, 1])
     sigma = torch.tensor([0.3, 0.8])
     with torch.no_grad():

@@ -4,7 +4,9 @@ Sources :func:`load_prompts` understands:
 
 * ``*.txt``: one prompt per line (surrounding whitespace stripped, blank lines skipped); metadata ``{}``.
 * ``*.jsonl``: one JSON object per line; the prompt is under ``prompt_key`` (default ``"prompt"``, else
-  ``"prompt_en"``); the whole object is the metadata (GenEval lines keep ``tag`` / ``include`` / ...).
+  ``"prompt_en"``); the whole object is the metadata (GenEval lines keep ``tag`` / ``include`` / ...). A line
+  with an ``image`` (a file path, relative to the prompt file's folder or absolute) is an image-to-video prompt:
+  its prompt is a :class:`~genrl.models.conditions.Prompt` carrying the image (``.json`` lists alike).
 * ``*.json``: a list of strings (metadata ``{}``) or of objects as in ``.jsonl`` (VBench's
   ``VBench_full_info.json`` stores ``prompt_en`` and ``dimension``: it is detected by the ``prompt_en`` key).
 * ``"shapes:train"`` / ``"shapes:heldout"`` (and ``"shapes:all"``): every distinct single-step caption of the
@@ -59,6 +61,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from genrl.assets import VBENCH_DIMENSIONS, assets_dir
 from genrl.data.shapes import ShapeSpec, ShapesWorldConfig, as_world, caption, combos, heldout_combos, sample_seed
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
+from genrl.models.conditions import Prompt
 
 __all__ = [
     "PromptRecord",
@@ -207,7 +210,21 @@ def _read_file(path: Path, prompt_key: str | None) -> list[PromptRecord]:
                 rec = _record(obj, prompt_key, f"{str(path)!r} item {i}")
                 if rec is not None:
                     records.append(rec)
-    return records
+    return [_with_image(rec, path) for rec in records]
+
+
+def _with_image(rec: PromptRecord, path: Path) -> PromptRecord:
+    """``rec`` with its prompt as an image-conditioned :class:`Prompt` when its metadata names an ``image`` (relative
+    paths are taken from the prompt file's folder). Raises ValueError: an ``image`` that is not a string."""
+    image = rec.metadata.get("image")
+    if image is None:
+        return rec
+    if not isinstance(image, str) or not image.strip():
+        raise ValueError(f"{str(path)!r}: the prompt {rec.prompt!r} has image={image!r}; give a file path (relative to "
+                         f"the prompt file's folder or absolute)")
+    file = Path(image).expanduser()
+    file = file if file.is_absolute() else path.parent / file
+    return PromptRecord(Prompt(rec.prompt, str(file)), rec.metadata)
 
 
 def load_prompts(

@@ -224,6 +224,7 @@ def gaussian_log_prob(
     mean: torch.Tensor,
     std: torch.Tensor | float,
     reduce: LogProbReduce = "mean",
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-density of ``sample`` under N(mean, std^2 I), reduced per sample over all non-batch dims.
 
@@ -236,6 +237,10 @@ def gaussian_log_prob(
       reference hyperparameters carry over.
     * ``reduce="sum"``: sum over the elements, the true log-density of the step (= D x mean).
 
+    With ``keep``, only the sampled elements count: the mean is over the kept elements of each sample and the sum
+    skips the others (a conditioning frame that is given, not sampled, e.g. Wan2.2-TI2V's first latent frame, is
+    not part of the policy's action).
+
     Callers pass a detached sample (the recorded transition) so that gradients flow only
     through ``mean`` (and ``std``).
 
@@ -245,6 +250,7 @@ def gaussian_log_prob(
         std: the transition std, > 0, broadcastable to ``sample`` (e.g. `step_mean_std`'s std),
             or a python float.
         reduce: "mean" or "sum" over the non-batch dims.
+        keep: optional bool mask broadcastable to ``sample``, True on the sampled elements (None: all).
 
     Returns:
         [B] log-probabilities, float32 (float64 if any input is float64); for a 1-d ``sample``
@@ -253,7 +259,8 @@ def gaussian_log_prob(
     Raises:
         ValueError: shapes of ``sample`` and ``mean`` differ or ``std`` does not broadcast to
             them; unknown ``reduce``; any std <= 0 or NaN (a deterministic step, e.g. the "ode"
-            kernel or noise_level 0, has no density and cannot be scored).
+            kernel or noise_level 0, has no density and cannot be scored); a ``keep`` that does not broadcast to
+            ``sample`` or keeps no element of some sample.
 
     Source: Liu et al. 2025, Flow-GRPO (Gaussian policy of the SDE step); reduction as in
     the reference code.
@@ -282,7 +289,23 @@ def gaussian_log_prob(
     diff = sample.to(dt) - mean.to(dt)
     lp = -(diff * diff) / (2 * sd * sd) - torch.log(sd) - _HALF_LOG_2PI
     lp = lp.expand(sample.shape).reshape(sample.shape[0], -1)
-    return lp.mean(dim=1) if reduce == "mean" else lp.sum(dim=1)
+    if keep is None:
+        return lp.mean(dim=1) if reduce == "mean" else lp.sum(dim=1)
+    k = _keep_mask(keep, sample).reshape(sample.shape[0], -1).to(lp.dtype)
+    total = (lp * k).sum(dim=1)
+    return total / k.sum(dim=1) if reduce == "mean" else total
+
+
+def _keep_mask(keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``keep`` as a bool tensor of ``like``'s shape. Raises ValueError: it does not broadcast, or a sample keeps
+    nothing."""
+    try:
+        k = keep.to(device=like.device, dtype=torch.bool).expand(like.shape)
+    except RuntimeError as e:
+        raise ValueError(f"keep mask of shape {tuple(keep.shape)} does not broadcast to {tuple(like.shape)}") from e
+    if not bool(k.reshape(like.shape[0], -1).any(dim=1).all()):
+        raise ValueError("keep mask keeps no element of some sample: nothing of it is sampled")
+    return k
 
 
 def sde_step(
@@ -297,6 +320,7 @@ def sde_step(
     frame_dim: int = 1,
     reduce: LogProbReduce = "mean",
     std_scale: float = 1.0,
+    keep: torch.Tensor | None = None,
 ) -> StepOutput:
     """One sampler step x -> x' with the step kernel ``kind``: sample = mean + std_scale * std * noise.
 
@@ -323,6 +347,8 @@ def sde_step(
         reduce: log-prob reduction over the latent elements, "mean" (reference) or "sum".
         std_scale: multiplies the kernel's std (BranchGRPO's split-step noise scale kappa); the returned
             std and log_prob are those of the scaled Gaussian actually sampled.
+        keep: optional bool mask broadcastable to ``x``, True on the sampled elements: the others are given (a
+            conditioning frame) and stay as they are in ``x`` (no drift, no noise) and out of ``log_prob``.
 
     Returns:
         `StepOutput` (sample, mean, std, log_prob [B]), float32 (float64 if any input is float64).
@@ -339,16 +365,20 @@ def sde_step(
     mean, std = step_mean_std(kind, x, v, sigma, sigma_next, noise_level, sigma_at_one, frame_dim)
     if std_scale != 1.0:
         std = std * std_scale
+    k = None if keep is None else _keep_mask(keep, x)
     if kind == "ode" or float(noise_level) == 0.0:
         if reduce not in _REDUCES:
             raise ValueError(f"unknown reduce {reduce!r}; expected one of {_REDUCES}")
-        return StepOutput(mean, mean, std, torch.zeros(x.shape[0], dtype=mean.dtype, device=mean.device))
+        sample = mean if k is None else torch.where(k, mean, x.to(mean.dtype))
+        return StepOutput(sample, mean, std, torch.zeros(x.shape[0], dtype=mean.dtype, device=mean.device))
     if noise is None:
         raise ValueError(f"{kind}: a stochastic step needs noise of shape {tuple(x.shape)}")
     if noise.shape != x.shape:
         raise ValueError(f"noise of shape {tuple(noise.shape)} must match x of shape {tuple(x.shape)}")
     sample = mean + std * noise.to(mean.dtype)
-    log_prob = gaussian_log_prob(sample.detach(), mean, std, reduce)
+    if k is not None:
+        sample = torch.where(k, sample, x.to(sample.dtype))
+    log_prob = gaussian_log_prob(sample.detach(), mean, std, reduce, k)
     return StepOutput(sample, mean, std, log_prob)
 
 
@@ -364,6 +394,7 @@ def step_log_prob(
     frame_dim: int = 1,
     reduce: LogProbReduce = "mean",
     std_scale: float = 1.0,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probability of a recorded transition x -> sample under a (new) velocity v.
 
@@ -378,7 +409,7 @@ def step_log_prob(
         v: velocity at (x, sigma) under the current policy, shape of ``x``.
         sigma, sigma_next: the step's noise levels as in the rollout.
         sample: the recorded x' (as `sde_step` returned it), shape of ``x``.
-        noise_level, sigma_at_one, frame_dim, reduce, std_scale: as in the rollout.
+        noise_level, sigma_at_one, frame_dim, reduce, std_scale, keep: as in the rollout.
 
     Returns:
         (log_prob [B], mean, std) as in `sde_step`, float32 (float64 if any input is float64).
@@ -396,4 +427,4 @@ def step_log_prob(
     mean, std = step_mean_std(kind, x, v, sigma, sigma_next, noise_level, sigma_at_one, frame_dim)
     if std_scale != 1.0:
         std = std * std_scale
-    return gaussian_log_prob(sample.detach(), mean, std, reduce), mean, std
+    return gaussian_log_prob(sample.detach(), mean, std, reduce, keep), mean, std

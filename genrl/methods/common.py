@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from genrl.data import data_parallel_of
+from genrl.models.conditions import check_prompt_images
 from genrl.models.families import GeneratorSpec, build_generator
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
@@ -22,7 +23,8 @@ from genrl.rewards import RewardManager
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "backward_step", "build_policy", "build_student",
-           "check_finite", "check_no_dropout", "clip_and_step", "configure_policy", "configure_policy_optimizer",
+           "check_data_images", "check_finite", "check_no_dropout", "clip_and_step", "configure_policy",
+           "configure_policy_optimizer",
            "default_latent_shape", "frame_shape_of", "gather_batch", "gather_objects", "linear_warmup",
            "local_mini_batch", "log_validation_rewards", "ode_validation_config", "policy_optimizer", "policy_spec",
            "rank_slice", "role_optimizers", "step_uncounted", "trainer_of", "world_of"]
@@ -333,6 +335,7 @@ def configure_policy(method: LightningModule, reference: bool = False, build=bui
     """
     if method.generator is not None:
         return None
+    check_data_images(method)
     generator = build(method.generator_spec, method.hparams.get("lora"))
     method.latent_shape = default_latent_shape(generator, method.latent_shape)
     method.roles.trainable("generator", generator)
@@ -340,6 +343,25 @@ def configure_policy(method: LightningModule, reference: bool = False, build=bui
         method.roles.reference_copy(generator)
     method.scorer.build(trainer_of(method))
     return generator
+
+
+def check_data_images(method: LightningModule) -> None:
+    """Before the generator loads: the image-to-video prompts of the trainer's datamodule (its ``train_records`` and
+    ``val_batches()``, when it has them) have images of the generator's height x width
+    (:func:`genrl.models.conditions.check_prompt_images`); nothing to check without a trainer or images.
+
+    Raises:
+        FileNotFoundError, ValueError: a missing image or one of another size (names it, the rule and the fix).
+    """
+    trainer = trainer_of(method)
+    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+    spec = method.generator_spec
+    if dm is None or not isinstance(spec, GeneratorSpec) or spec.family == "dit":
+        return
+    prompts = [r.prompt for r in getattr(dm, "train_records", None) or []]
+    if hasattr(dm, "val_batches"):
+        prompts += [p for b in dm.val_batches() for p in b["prompts"]]
+    check_prompt_images(prompts, spec.height, spec.width)
 
 
 def advance_iteration(method: LightningModule, batch_size: int) -> int:

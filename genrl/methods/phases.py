@@ -40,6 +40,7 @@ from genrl.methods.common import (
     trainer_of,
     world_of,
 )
+from genrl.models.conditions import null_prompts
 from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
@@ -460,20 +461,33 @@ def optimizer_steps(module: LightningModule, optimizer, steps: Iterable[Iterable
         than one optimizer step, also ``{stat}/step{j}``: the same mean over step ``j`` alone (0 = the first), so
         an off-policy step's statistics (e.g. a PPO ratio away from 1) are not hidden in an average with the
         on-policy first step's (ratio exactly 1).
+
+    A unit whose loss has no graph (it ran frozen weights only, e.g. a step of Wan2.2's untrained expert) is not
+    back-propagated.
+
+    Raises:
+        ValueError: an optimizer step whose units all lack a gradient (names the likely cause and the fix).
     """
     per_step: list[tuple[dict[str, float], float]] = []
     for units in steps:
         optimizer.zero_grad()
         sums: dict[str, float] = {}
-        weight = 0.0
+        weight, any_grad, n_units = 0.0, False, 0
         for unit in units:
+            n_units += 1
             loss, stats, w = unit()
             if check_finite is not None:
                 check_finite(loss)
-            module.manual_backward(loss)
+            if loss.requires_grad:  # a unit that ran frozen weights only (one trained Wan2.2 expert) adds no gradient
+                module.manual_backward(loss)
+                any_grad = True
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
             weight += w
+        if n_units and not any_grad:
+            raise ValueError("this optimizer step has no gradient: every trained step ran frozen weights only (e.g. "
+                             "Wan2.2 with experts: [high] and SDE steps all below the expert boundary); put the "
+                             "rollout's SDE steps (rollout.sde_steps / num_sde_steps) on the trained expert's side")
         clip_and_step(module, optimizer, max_grad_norm, counted)
         per_step.append((sums, weight))
     total: dict[str, float] = {}
@@ -533,10 +547,11 @@ def video_batch(method: LightningModule, batch: dict) -> tuple[torch.Tensor, lis
 
 def caption_dropout(prompts: list[str], probability: float, seed: int, index: torch.Tensor, stream: int,
                     null_prompt: str = "") -> list[str]:
-    """Replace each prompt by ``null_prompt`` with ``probability`` (classifier-free guidance training, Ho & Salimans
+    """Replace each prompt's text by ``null_prompt`` (an image-conditioned prompt keeps its image) with
+    ``probability`` (classifier-free guidance training, Ho & Salimans
     2022), sample i's draw addressed by (``seed``, ``index[i]``, ``stream``): the same samples are dropped whatever
     the batch composition or device count."""
     if probability <= 0:
         return list(prompts)
     drop = rand_per_sample((), seed, index, stream=stream) < probability
-    return [null_prompt if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]
+    return [null_prompts([p], null_prompt)[0] if d else p for p, d in zip(prompts, drop.tolist(), strict=True)]

@@ -54,20 +54,51 @@ CHECKPOINT_SAMPLING_KEY = "genrl_sampling"
 
 #: diffusers pipeline ``_class_name`` (model_index.json) -> genrl family.
 PIPELINE_FAMILIES: dict[str, str] = {
-    "WanPipeline": "wan",
+    "WanPipeline": "wan",  # Wan2.2 A14B / TI2V-5B folders too: see family_of_pipeline
+    "WanImageToVideoPipeline": "wan_i2v",
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "Flux2Pipeline": "flux2",
+    "Flux2KleinPipeline": "flux2_klein",
     "SanaPipeline": "sana",
+    "QwenImagePipeline": "qwen_image",
+    "HunyuanVideo15Pipeline": "hunyuan_video15",
+    "SkyReelsV2DiffusionForcingPipeline": "skyreels_v2",
+    "SkyReelsV2Pipeline": "skyreels_v2",
 }
 
 #: per family: default sample size and sampler settings of the released models (used when the caller gives
 #: none): Wan2.1 T2V 480p (81 frames at 16 fps, 50 steps, CFG 5); SD3.5 at 512 px as in Flow-GRPO (40 steps,
 #: CFG 4.5); FLUX.1-dev at 512 px (28 steps, guidance-distilled: CFG 1); SANA 1024 px (20 steps, CFG 4.5).
+#: Wan2.2 (the Wan2.2 repository's wan/configs): T2V-A14B 720x1280x81, 40 steps, CFG 4 on the high-noise expert and 3
+#: on the low-noise one (the adapter's option guidance_scale_2), shift 12, boundary 0.875; I2V-A14B 40 steps, CFG 3.5
+#: on both, shift 5, boundary 0.9; TI2V-5B 704x1280x121 at 24 fps, 50 steps, CFG 5, shift 5. Wan2.1-I2V-14B-480P:
+#: 480x832x81, 40 steps, CFG 5, shift 5 (wan_i2v's row: the Wan2.1 model; for Wan2.2-I2V-A14B pass --cfg-scale 3.5).
+#: SkyReels-V2-DF-1.3B-540P (SkyReelsV2DiffusionForcingPipeline docstring / diffusers' SkyReels-V2 page: 544x960,
+#: 97 frames = base_num_frames at 540P, 30 steps, guidance 6, flow_shift 8 (the adapter's default_shift), 24 fps).
+#: HunyuanVideo-1.5 480p T2V (HunyuanVideo15Pipeline's defaults: 121 frames, 50 steps, size from the transformer's
+#: target_size 640 at 16:9 = 480x848; diffusers' conversion script: guider scale 6, shift 5 (the adapter's
+#: default_shift); 24 fps as the release's generate.py writes (the pipeline docstring's example writes 15)).
+#: FLUX.2 [dev] (Flux2Pipeline's defaults and the model card's example: 1024x1024, 50 steps, distilled guidance 4 =
+#: the adapter's guidance_scale, no true CFG: cfg_scale 1; shift: the adapter's default_shift_for_size).
+#: FLUX.2 [klein] 4B (its model card: 1024x1024, 4 steps, guidance 1 = no CFG, the step-distilled release; the
+#: Base models' cards and Flux2KleinPipeline's defaults: 50 steps, CFG 4, set --steps / --cfg-scale for them).
+#: Qwen-Image (the model card's example: 1328x1328 (1:1), 50 steps, true_cfg_scale 4 with negative prompt " ";
+#: shift: the adapter's default_shift_for_size). cfg_scale 4 is genrl's plain CFG, without the pipeline's norm
+#: rescale; the adapter's options.true_cfg_scale (with cfg_scale 1) is the pipeline's exact guidance.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "wan": dict(height=480, width=832, num_frames=81, steps=50, cfg_scale=5.0, fps=16),
+    "wan22": dict(height=720, width=1280, num_frames=81, steps=40, cfg_scale=4.0, fps=16),
+    "wan_i2v": dict(height=480, width=832, num_frames=81, steps=40, cfg_scale=5.0, fps=16),
+    "wan22_ti2v": dict(height=704, width=1280, num_frames=121, steps=50, cfg_scale=5.0, fps=24),
     "sd3": dict(height=512, width=512, num_frames=1, steps=40, cfg_scale=4.5, fps=None),
     "flux": dict(height=512, width=512, num_frames=1, steps=28, cfg_scale=1.0, fps=None),
+    "qwen_image": dict(height=1328, width=1328, num_frames=1, steps=50, cfg_scale=4.0, fps=None),
+    "flux2": dict(height=1024, width=1024, num_frames=1, steps=50, cfg_scale=1.0, fps=None),
+    "flux2_klein": dict(height=1024, width=1024, num_frames=1, steps=4, cfg_scale=1.0, fps=None),
     "sana": dict(height=1024, width=1024, num_frames=1, steps=20, cfg_scale=4.5, fps=None),
+    "hunyuan_video15": dict(height=480, width=848, num_frames=121, steps=50, cfg_scale=6.0, fps=24),
+    "skyreels_v2": dict(height=544, width=960, num_frames=97, steps=30, cfg_scale=6.0, fps=24),
 }
 
 #: sample size / sampler defaults of genrl's shapes DiT (assets/shapes-dit).
@@ -95,7 +126,9 @@ def _resolve(path: str | Path) -> Path:
 
 
 def family_of_pipeline(folder: str | Path) -> str:
-    """The genrl family of a diffusers pipeline folder, from ``model_index.json``'s ``_class_name``.
+    """The genrl family of a diffusers pipeline folder, from ``model_index.json``'s ``_class_name`` (a ``WanPipeline``
+    folder with ``expand_timesteps`` is Wan2.2-TI2V-5B, ``wan22_ti2v``; one with a ``transformer_2`` is Wan2.2-T2V-A14B,
+    ``wan22``).
 
     Raises:
         FileNotFoundError: no ``model_index.json`` in ``folder``.
@@ -104,12 +137,17 @@ def family_of_pipeline(folder: str | Path) -> str:
     index = Path(folder) / "model_index.json"
     if not index.is_file():
         raise FileNotFoundError(f"no diffusers pipeline at {str(folder)!r}: missing {str(index)!r}")
-    name = json.loads(index.read_text()).get("_class_name")
+    config = json.loads(index.read_text())
+    name = config.get("_class_name")
     if name not in PIPELINE_FAMILIES:
         raise ValueError(
             f"{str(index)!r} names the pipeline class {name!r}, which genrl has no adapter for; supported: "
             + ", ".join(f"{k} ({v})" for k, v in PIPELINE_FAMILIES.items())
         )
+    if name == "WanPipeline" and config.get("expand_timesteps"):
+        return "wan22_ti2v"  # Wan2.2-TI2V-5B: text- and image-to-video
+    if name == "WanPipeline" and isinstance(config.get("transformer_2"), list) and config["transformer_2"][0]:
+        return "wan22"  # Wan2.2-T2V-A14B: two experts
     return PIPELINE_FAMILIES[name]
 
 
@@ -150,8 +188,12 @@ def size_multiples(model: str | Path) -> dict[str, Any] | None:
         return None
     patch = tr.get("patch_size", 1)
     ph, pw = (int(patch[1]), int(patch[2])) if isinstance(patch, (list, tuple)) else (int(patch), int(patch))
-    if family == "wan":
+    if family in ("wan", "wan22", "wan_i2v", "wan22_ti2v", "skyreels_v2"):  # the Wan VAEs: frames 4k + 1
         st, ss = int(vae.get("scale_factor_temporal") or 4), int(vae.get("scale_factor_spatial") or 8)
+        return dict(height=ss * ph, width=ss * pw, frames=st, frames_offset=1,
+                    why=f"VAE factor {ss} x patch {ph}; frames {st}k+1")
+    if family == "hunyuan_video15":  # AutoencoderKLHunyuanVideo15 names its factors (16 spatial, 4 temporal)
+        st, ss = int(vae.get("temporal_compression_ratio") or 4), int(vae.get("spatial_compression_ratio") or 16)
         return dict(height=ss * ph, width=ss * pw, frames=st, frames_offset=1,
                     why=f"VAE factor {ss} x patch {ph}; frames {st}k+1")
     blocks = vae.get("encoder_block_out_channels") or vae.get("block_out_channels") or [0] * 4

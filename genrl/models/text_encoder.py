@@ -7,7 +7,7 @@ tests. Nothing is ever downloaded: loading is ``local_files_only``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,37 +26,54 @@ class Conditioning:
     Attributes:
         hidden_states: float [B, L, D] per-token text states.
         attention_mask: bool [B, L], True for real tokens.
-        prompts: the B prompt strings.
+        prompts: the B prompts (strings; an image-conditioned prompt is a :class:`~genrl.models.conditions.Prompt`).
         pooled: optional float [B, P] pooled text vector (SD3 / FLUX pooled projections; None otherwise).
+        extras: per-row condition tensors beyond the text states, each with the batch as its first dimension: a second
+            text encoder's states and mask, and for image-to-video the condition bundle (first-frame latents, frame
+            mask, image tokens; docs/models.md, Image-to-video). Built once per prompt by the generator's
+            ``encode_prompts`` and carried wherever the conditioning goes (rollouts, log-prob replays, teachers).
     """
 
     hidden_states: torch.Tensor
     attention_mask: torch.Tensor
     prompts: list[str]
     pooled: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.hidden_states.shape[0]
 
     def to(self, device: torch.device | str) -> Conditioning:
         pooled = None if self.pooled is None else self.pooled.to(device)
-        return Conditioning(self.hidden_states.to(device), self.attention_mask.to(device), list(self.prompts), pooled)
+        return Conditioning(self.hidden_states.to(device), self.attention_mask.to(device), list(self.prompts), pooled,
+                            {k: v.to(device) for k, v in self.extras.items()})
+
+    def clone(self) -> Conditioning:
+        """A copy whose tensors share no storage with this one."""
+        return Conditioning(self.hidden_states.clone(), self.attention_mask.clone(), list(self.prompts),
+                            None if self.pooled is None else self.pooled.clone(),
+                            {k: v.clone() for k, v in self.extras.items()})
 
     def select(self, rows: list[int] | torch.Tensor) -> Conditioning:
         """The rows ``rows`` (int list or int64 tensor; repeats allowed) of every field. A Python list avoids a
         device-to-host copy for the prompt strings (the sampler passes lists)."""
         rows_list = rows.tolist() if isinstance(rows, torch.Tensor) else [int(i) for i in rows]
         idx = torch.as_tensor(rows_list, dtype=torch.long, device=self.hidden_states.device)
-        pooled = None if self.pooled is None else self.pooled[idx.to(self.pooled.device)]
-        return Conditioning(self.hidden_states[idx], self.attention_mask[idx.to(self.attention_mask.device)],
-                            [self.prompts[i] for i in rows_list], pooled)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[idx.to(t.device)]
+
+        return Conditioning(self.hidden_states[idx], pick(self.attention_mask), [self.prompts[i] for i in rows_list],
+                            None if self.pooled is None else pick(self.pooled),
+                            {k: pick(v) for k, v in self.extras.items()})
 
     @staticmethod
     def cat(items: list[Conditioning]) -> Conditioning:
-        """Concatenate along the batch, right-padding token dimensions to the longest.
+        """Concatenate along the batch, right-padding token dimensions to the longest (extras must agree in shape
+        beyond the batch).
 
         Raises:
-            ValueError: some items carry a pooled vector and others do not.
+            ValueError: some items carry a pooled vector and others do not, or their extras differ in keys.
         """
         length = max(c.hidden_states.shape[1] for c in items)
         hs, ms, prompts = [], [], []
@@ -68,8 +85,12 @@ class Conditioning:
         has_pooled = {c.pooled is not None for c in items}
         if len(has_pooled) > 1:
             raise ValueError("cannot concatenate conditionings with and without a pooled vector")
+        keys = {tuple(sorted(c.extras)) for c in items}
+        if len(keys) > 1:
+            raise ValueError(f"cannot concatenate conditionings with different extras: {sorted(keys)}")
         pooled = torch.cat([c.pooled for c in items]) if has_pooled == {True} else None
-        return Conditioning(torch.cat(hs), torch.cat(ms), prompts, pooled)
+        extras = {k: torch.cat([c.extras[k] for c in items]) for k in items[0].extras}
+        return Conditioning(torch.cat(hs), torch.cat(ms), prompts, pooled, extras)
 
 
 def resolve_text_encoder_path(path: str | Path) -> Path:

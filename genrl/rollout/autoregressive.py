@@ -141,9 +141,7 @@ def fork(state: ARState, n: int, indices: Sequence[Sequence[int]] | None = None)
                else torch.as_tensor(list(map(int, indices[i])), dtype=torch.long))
         if len(idx) != state.batch_size:
             raise ValueError(f"fork {i}: {len(idx)} indices for a batch of {state.batch_size}")
-        cond = Conditioning(state.cond.hidden_states.clone(), state.cond.attention_mask.clone(),
-                            list(state.cond.prompts), None if state.cond.pooled is None else state.cond.pooled.clone())
-        out.append(ARState(cache=state.cache.clone(), cond=cond,
+        out.append(ARState(cache=state.cache.clone(), cond=state.cond.clone(),
                            latents=None if state.latents is None else state.latents.clone(),
                            chunk_index=state.chunk_index, seed=state.seed, indices=idx, frame_dim=state.frame_dim,
                            segment=state.segment))

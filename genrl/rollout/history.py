@@ -38,6 +38,7 @@ import torch
 
 from genrl.flow.history_guidance import CompiledGuidance, HistoryGuidance
 from genrl.flow.sde import sde_step
+from genrl.models.conditions import null_prompts
 from genrl.models.text_encoder import Conditioning
 from genrl.noise import randn_per_sample
 from genrl.rollout.sampler import RolloutConfig, guided_velocity, sde_mask
@@ -297,7 +298,7 @@ def history_rollout(
     keys = {p: f.to(device=device, dtype=torch.float32) for p, f in keys.items()}
     with torch.no_grad():
         cond = generator.encode_prompts(list(prompts))
-        null = generator.encode_prompts([config.null_prompt] * b)
+        null = generator.encode_prompts(null_prompts(list(prompts), config.null_prompt))
         frames = [] if history is None else list(history.to(device=device, dtype=torch.float32).unbind(1))
         generated = [False] * h0
         windows, calls, log_probs = [], 0, []

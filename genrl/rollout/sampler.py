@@ -24,6 +24,7 @@ import torch
 
 from genrl.flow import cfg_combine, sigma_schedule
 from genrl.flow.sde import sde_step, step_log_prob
+from genrl.models.conditions import null_prompts
 from genrl.models.text_encoder import Conditioning
 from genrl.noise import NoiseBackend, check_backend, mix_seed, randn_per_sample
 
@@ -401,9 +402,14 @@ def guided_velocity(
 
     Args:
         x: [B, *latent]; sigma: [B] or [B, T]; cond / uncond: B prompts each (uncond None when w = 1).
+    A generator whose guidance scale depends on the noise level (Wan2.2 A14B's second scale for its low-noise
+    expert) has ``cfg_scale_at(sigma, cfg_scale) -> scale [B]``; it is used instead of ``cfg_scale`` when guidance
+    is on (``cfg_scale != 1``).
+
     Returns:
         float32 velocity [B, *latent]; differentiable when grad is enabled.
     """
+    scale_at = getattr(generator, "cfg_scale_at", None)
     outs = []
     for rows, padded in call_plan(x.shape[0], micro_batch_size, batching):
         if padded == list(range(x.shape[0])):  # one call over every row, in order: no copy
@@ -415,7 +421,7 @@ def guided_velocity(
             ub = uncond if cb is cond else uncond.select(padded)
             v_c, v_u = generator.velocity(torch.cat([xb, xb]), torch.cat([sb, sb]),
                                           Conditioning.cat([cb, ub])).float().chunk(2)
-            v = cfg_combine(v_c, v_u, cfg_scale)
+            v = cfg_combine(v_c, v_u, cfg_scale if scale_at is None else scale_at(sb, cfg_scale))
         else:
             v = generator.velocity(xb, sb, cb).float()
         outs.append(v[: len(rows)])
@@ -424,13 +430,25 @@ def guided_velocity(
 
 def encode_cfg(generator, prompts: list[str], config: RolloutConfig):
     """(conditional, unconditional) conditioning of ``prompts`` for ``config``'s CFG: the unconditional one encodes
-    ``config.null_prompt`` per prompt, and is None when ``config.cfg_scale`` is 1 (no guidance)."""
+    ``config.null_prompt`` per prompt (keeping an image-conditioned prompt's image: guidance drops only the text), and
+    is None when ``config.cfg_scale`` is 1 (no guidance)."""
     cond = generator.encode_prompts(prompts)
-    uncond = generator.encode_prompts([config.null_prompt] * len(prompts)) if config.cfg_scale != 1.0 else None
+    uncond = generator.encode_prompts(null_prompts(prompts, config.null_prompt)) if config.cfg_scale != 1.0 else None
     return cond, uncond
 
 
 _encode = encode_cfg
+
+
+def fixed_latents(generator, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The latents a generator's condition fixes, as ``(values [B, *latent], keep)``, or None (nothing fixed).
+
+    ``keep`` is a bool mask broadcastable to the latents, True where the sampler draws (e.g. Wan2.2-TI2V's
+    image-to-video gives latent frame 0: it is the encoded first frame at every step, carries no SDE noise and is
+    left out of each step's log-prob). A generator declares it with ``fixed_latents(cond)``.
+    """
+    fn = getattr(generator, "fixed_latents", None)
+    return None if fn is None else fn(cond)
 
 
 def rollout(
@@ -497,6 +515,11 @@ def rollout(
                                  device=device, backend=config.noise_backend)
         else:
             x = randn_per_sample(latent_shape, seed, indices, step=0, device=device, backend=config.noise_backend)
+        fixed = fixed_latents(generator, cond)
+        keep = None
+        if fixed is not None:
+            values, keep = fixed
+            x = torch.where(keep, x, values.to(x.dtype))
         latents, noises, log_probs, means = [x.detach().cpu()], [], [], []
         steps = range(config.num_steps)
         if progress:
@@ -517,11 +540,11 @@ def rollout(
                 noise = torch.zeros_like(x)
                 kind = "ode"
             out = sde_step(kind, x, v, sig32[k], sig32[k + 1], noise, noise_level=config.noise_level,
-                           sigma_at_one=sigma_at_one)
+                           sigma_at_one=sigma_at_one, keep=keep)
             if grad == "sde" and mask[k]:  # the loss side of the step, on the detached sample (as recomputed)
                 with torch.enable_grad():
                     lp, mean, _ = step_log_prob(kind, x, v, sig32[k], sig32[k + 1], out.sample.detach(),
-                                                noise_level=config.noise_level, sigma_at_one=sigma_at_one)
+                                                noise_level=config.noise_level, sigma_at_one=sigma_at_one, keep=keep)
                 live[k] = (lp, v, mean)
             x = out.sample if grad != "sde" else out.sample.detach()  # (sde_step ran without grad: no graph)
             log_probs.append(out.log_prob.detach().float().cpu())
@@ -582,6 +605,8 @@ def transition_log_prob(
     n = x.shape[0]
     v = guided_velocity(generator, x, sig32[step].expand(n), cond, uncond, w, config.micro_batch_size, config.batching)
     sigma_at_one = config.sigma_at_one(traj.sigmas)
+    fixed = fixed_latents(generator, cond)
     log_prob, mean, _ = step_log_prob(config.kernel, x, v, sig32[step], sig32[step + 1], sample,
-                                      noise_level=config.noise_level, sigma_at_one=sigma_at_one)
+                                      noise_level=config.noise_level, sigma_at_one=sigma_at_one,
+                                      keep=None if fixed is None else fixed[1])
     return log_prob, v, mean

@@ -22,9 +22,17 @@ __all__ = ["FAMILIES", "VARIANT_FAMILIES", "GeneratorSpec", "build_generator", "
 #: family name -> adapter class path.
 FAMILIES = {
     "wan": "genrl.models.families.wan.WanGenerator",
+    "wan22": "genrl.models.families.wan.Wan22Generator",
+    "wan_i2v": "genrl.models.families.wan_i2v.WanI2VGenerator",
+    "wan22_ti2v": "genrl.models.families.wan_i2v.WanTI2VGenerator",
     "sd3": "genrl.models.families.sd3.SD3Generator",
     "flux": "genrl.models.families.flux.FluxGenerator",
+    "flux2": "genrl.models.families.flux2.Flux2Generator",
+    "flux2_klein": "genrl.models.families.flux2_klein.Flux2KleinGenerator",
     "sana": "genrl.models.families.sana.SanaGenerator",
+    "qwen_image": "genrl.models.families.qwen_image.QwenImageGenerator",
+    "skyreels_v2": "genrl.models.families.skyreels_v2.SkyReelsV2Generator",
+    "hunyuan_video15": "genrl.models.families.hunyuan_video15.HunyuanVideo15Generator",
 }
 
 
@@ -56,6 +64,14 @@ class GeneratorSpec:
     Attributes:
         family: ``"dit"`` (genrl's own video DiT, default), ``"wan"``, ``"wan_causal"`` (Wan2.1 with block-causal
             attention and a KV cache; same folders), ``"sd3"``, ``"flux"`` or ``"sana"``.
+            ``"flux2"``: FLUX.2 [dev] (Mistral-3 text, 2x2-patchified batch-norm latents; distilled guidance
+            ``options.guidance_scale``, schedule shift from tokens and steps).
+            ``"flux2_klein"``: FLUX.2 [klein] 4B / 9B and Base (FLUX.2's transformer without guidance embedding, Qwen3
+            text; Base: true CFG through the sampler's ``cfg_scale``).
+            ``"qwen_image"``: Qwen-Image (MMDiT, 2x2-packed latents, Qwen2.5-VL text; true CFG via ``options``).
+            ``"skyreels_v2"``: SkyReels-V2 (diffusion-forcing Wan2.1 architecture; per-frame sigma [B, F]).
+            ``"hunyuan_video15"``: HunyuanVideo-1.5 T2V (Qwen2.5-VL + ByT5 glyph text; zero image-condition
+            channels; ``options``: ``vae_tiling``).
         pretrained: local diffusers pipeline folder (``model_index.json`` + component folders); a hub id only
             with ``local_files_only: false``. For ``dit``: a ``VideoDiT.save_pretrained`` folder such as
             ``assets/shapes-dit``. None builds from ``components`` with random weights.

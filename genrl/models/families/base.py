@@ -30,13 +30,18 @@ from torch import nn
 from genrl.models.families.tokenizers import word_level_tokenizer
 from genrl.models.text_encoder import Conditioning
 
-__all__ = ["DiffusersGenerator", "check_pipeline_folder", "DTYPES", "set_attention_backend"]
+__all__ = ["DiffusersGenerator", "check_pipeline_folder", "DTYPES", "set_attention_backend", "dynamic_shift_mu",
+           "pipeline_sigmas"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json", "tokenizer.model")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json", "tokenizer.model",
+                    "preprocessor_config.json")
+#: config-only components: kind -> the file its folder holds (a scheduler; a diffusers guider, e.g. HunyuanVideo-1.5's
+#: ``ClassifierFreeGuidance``).
+CONFIG_FILES = {"scheduler": "scheduler_config.json", "guider": "guider_config.json"}
 
 
 def _import(path: str):
@@ -44,14 +49,18 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def check_pipeline_folder(path: str | Path, components: dict[str, str], family: str) -> Path:
+def check_pipeline_folder(path: str | Path, components: dict[str, str], family: str,
+                          optional: dict[str, str] | None = None) -> Path:
     """Check that ``path`` is a complete diffusers pipeline folder before anything is loaded.
 
     Args:
         path: the folder (written by ``DiffusionPipeline.save_pretrained`` or downloaded from a hub).
-        components: ``{subfolder: kind}`` with kind ``"model"`` (config.json + weights), ``"tokenizer"``
-            or ``"scheduler"`` (scheduler_config.json).
+        components: ``{subfolder: kind}`` with kind ``"model"`` (config.json + weights), ``"tokenizer"``,
+            ``"scheduler"`` (scheduler_config.json) or ``"guider"`` (guider_config.json).
         family: the family name, for the message.
+        optional: components checked like ``components`` when ``model_index.json`` names them (e.g. Wan2.2's
+            ``transformer_2``, Wan2.1-I2V's ``image_encoder``; an image processor's folder is a ``"tokenizer"``
+            holding ``preprocessor_config.json``).
     Returns:
         the resolved folder.
     Raises:
@@ -61,7 +70,7 @@ def check_pipeline_folder(path: str | Path, components: dict[str, str], family: 
     layout = "\n".join(
         f"  {name}/  " + {"model": "config.json + *.safetensors (or *.bin)", "tokenizer": "tokenizer files "
                           "(tokenizer.json / tokenizer_config.json / spiece.model)",
-                          "scheduler": "scheduler_config.json"}[kind]
+                          **CONFIG_FILES}[kind]
         for name, kind in components.items()
     )
     expected = f"expected the diffusers {family} layout:\n  model_index.json\n{layout}"
@@ -73,6 +82,10 @@ def check_pipeline_folder(path: str | Path, components: dict[str, str], family: 
         raise FileNotFoundError(f"no {family} weights folder at {str(folder)!r}; {expected}")
     if not (folder / "model_index.json").is_file():
         raise missing(str(folder / "model_index.json"))
+    if optional:
+        index = json.loads((folder / "model_index.json").read_text())
+        listed = {k: v for k, v in optional.items() if isinstance(index.get(k), list) and index[k][0] is not None}
+        components = {**components, **listed}
     for name, kind in components.items():
         sub = folder / name
         if not sub.is_dir():
@@ -85,8 +98,8 @@ def check_pipeline_folder(path: str | Path, components: dict[str, str], family: 
         elif kind == "tokenizer":
             if not any((sub / f).is_file() for f in _TOKENIZER_FILES):
                 raise missing(f"tokenizer files in {str(sub)!r} (one of {', '.join(_TOKENIZER_FILES)})")
-        elif kind == "scheduler" and not (sub / "scheduler_config.json").is_file():
-            raise missing(str(sub / "scheduler_config.json"))
+        elif kind in CONFIG_FILES and not (sub / CONFIG_FILES[kind]).is_file():
+            raise missing(str(sub / CONFIG_FILES[kind]))
     return folder
 
 
@@ -142,13 +155,20 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
     pipeline_class: ClassVar[str] = ""
     #: ``{subfolder: kind}`` that a pipeline folder must hold (see :func:`check_pipeline_folder`).
     components: ClassVar[dict[str, str]] = {}
+    #: ``{subfolder: kind}`` a pipeline folder may hold (checked when ``model_index.json`` names them).
+    optional_components: ClassVar[dict[str, str]] = {}
     #: default LoRA target modules (peft names) for this family.
     lora_target_modules: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0"]
+    #: a diffusers LoRA loader mixin that writes this family's LoRA file, for a pipeline class without
+    #: ``save_lora_weights`` (None: the pipeline class's own).
+    lora_format_class: ClassVar[str | None] = None
     #: text encoders of the pipeline (attribute names).
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     default_max_sequence_length: ClassVar[int] = 256
     default_shift: ClassVar[float] = 3.0
     is_video: ClassVar[bool] = False
+    #: every prompt must carry a conditioning image (image-to-video only: :class:`genrl.models.conditions.Prompt`).
+    requires_image: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -200,7 +220,7 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
         dtype = _dtype(torch_dtype)
         extra = {}
         if local_files_only or Path(path).expanduser().exists():
-            path = str(check_pipeline_folder(path, cls.components, cls.family))
+            path = str(check_pipeline_folder(path, cls.components, cls.family, cls.optional_components))
         if transformer_path is not None:
             extra["transformer"] = cls._load_transformer(transformer_path, dtype)
         pipeline = cls.pipeline_type().from_pretrained(path, local_files_only=local_files_only,
@@ -232,8 +252,10 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
 
         Args:
             components: ``{component: constructor values}``; every name in :attr:`components` except the
-                scheduler must be present. Text encoders take their transformers config values, tokenizers
-                the values of :func:`genrl.models.families.tokenizers.word_level_tokenizer`.
+                scheduler must be present, names of :attr:`optional_components` may be. Text encoders take their
+                transformers config values, tokenizers the values of
+                :func:`genrl.models.families.tokenizers.word_level_tokenizer`; the key ``pipeline`` holds the
+                pipeline's own config values (e.g. Wan2.2's ``boundary_ratio``, ``expand_timesteps``).
             scheduler: ``FlowMatchEulerDiscreteScheduler`` values (default ``shift`` = the family's).
             seed: seed of the random initialisation (the global RNG is left untouched).
         Raises:
@@ -242,7 +264,9 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         expected = [n for n, kind in cls.components.items() if kind != "scheduler"]
-        unknown = sorted(set(components) - set(expected))
+        components = dict(components)
+        pipeline_values = dict(components.pop("pipeline", None) or {})
+        unknown = sorted(set(components) - set(expected) - set(cls.optional_components))
         missing = [n for n in expected if n not in components]
         if unknown or missing:
             raise ValueError(f"{cls.family} from_config: missing components {missing}, unknown {unknown}; "
@@ -255,7 +279,7 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
             if isinstance(module, nn.Module) and dtype != torch.float32:
                 modules[name] = module.to(dtype)
         sched = FlowMatchEulerDiscreteScheduler(**({"shift": cls.default_shift} | dict(scheduler or {})))
-        pipeline = cls.pipeline_type()(scheduler=sched, **modules)
+        pipeline = cls.pipeline_type()(scheduler=sched, **modules, **pipeline_values)
         return cls(pipeline, **kwargs)
 
     #: how :meth:`from_config` builds each component: ``{name: (class path, config-class path or None)}``;
@@ -331,7 +355,9 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
                 module.to(device)
 
     def _cache_key(self, prompt: str) -> str:
-        h = hashlib.sha1(f"{self.family}|{self.source}|{self.max_sequence_length}|{prompt}".encode()).hexdigest()
+        image = getattr(prompt, "image_key", None)  # an image-conditioned prompt (genrl.models.conditions.Prompt)
+        size = f"|{self.height}x{self.width}x{self.num_frames}|{image}" if image else ""
+        h = hashlib.sha1(f"{self.family}|{self.source}|{self.max_sequence_length}|{prompt}{size}".encode()).hexdigest()
         return h
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
@@ -372,11 +398,14 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
         hidden = torch.stack([it["hidden_states"] for it in items]).to(device, dtype)
         mask = torch.stack([it["attention_mask"] for it in items]).to(device)
         pooled = torch.stack([it["pooled"] for it in items]).to(device, dtype) if "pooled" in items[0] else None
-        return Conditioning(hidden, mask.bool(), list(prompts), pooled)
+        extras = {k: _stack_to([it[k] for it in items], device, dtype) for k in items[0] if k not in _TEXT_KEYS}
+        return Conditioning(hidden, mask.bool(), list(prompts), pooled, extras)
 
     @abc.abstractmethod
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """``{"hidden_states": [B, L, D], "attention_mask": [B, L], optional "pooled": [B, P]}``."""
+        """``{"hidden_states": [B, L, D], "attention_mask": [B, L], optional "pooled": [B, P]}``; any further key
+        (a second text encoder's states, an image condition) is a per-row tensor [B, ...] that
+        :meth:`encode_prompts` places in ``Conditioning.extras`` (floating ones cast to the transformer's dtype)."""
 
     @abc.abstractmethod
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, **kwargs) -> torch.Tensor:
@@ -427,17 +456,22 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
         Raises:
             ValueError: the transformer carries no LoRA adapter.
         """
-        from peft.utils import get_peft_model_state_dict
-
         if not getattr(self.transformer, "_hf_peft_config_loaded", False):
             raise ValueError("the transformer has no LoRA adapter to save; train with lora: {...} or export full "
                              "weights")
-        layers = get_peft_model_state_dict(self.transformer)
+        return self._write_lora(self.transformer, folder)
+
+    def _write_lora(self, module: nn.Module, folder: str | Path) -> Path:
+        """Write ``module``'s (a diffusers transformer's) LoRA adapter to ``folder`` in the family's LoRA format."""
+        from peft.utils import get_peft_model_state_dict
+
+        layers = get_peft_model_state_dict(module)
         # the adapter config (rank, alpha, targets) travels as safetensors metadata, so that loaders apply
         # alpha / r exactly (without it diffusers assumes alpha = r)
-        metadata = self.transformer.peft_config["default"].to_dict()
-        self.pipeline_type().save_lora_weights(str(folder), transformer_lora_layers=layers,
-                                               transformer_lora_adapter_metadata=metadata)
+        metadata = module.peft_config["default"].to_dict()
+        writer = _import(self.lora_format_class) if self.lora_format_class else self.pipeline_type()
+        writer.save_lora_weights(str(folder), transformer_lora_layers=layers,
+                                 transformer_lora_adapter_metadata=metadata)
         return Path(folder)
 
     def to_pipeline(self):
@@ -445,6 +479,50 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
         self.pipeline.transformer = self.transformer
         self._frozen_to_device(("vae", *self.text_encoder_names))
         return self.pipeline
+
+
+def dynamic_shift_mu(scheduler, seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float,
+                     max_shift: float) -> float | None:
+    """mu of the resolution-dependent shift of a FLUX-style pipeline at ``seq_len`` latent tokens: linear in the token
+    count through (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), read from ``scheduler.config``
+    (the arguments are the pipeline's fallbacks for keys the config lacks), extrapolated outside that range; the
+    scheduler's exponential time shift is then genrl's shift s = e^mu. None when the scheduler does not shift
+    dynamically (``use_dynamic_shifting`` off: its static ``shift`` applies)."""
+    cfg = scheduler.config
+    if not cfg.get("use_dynamic_shifting", False):
+        return None
+    n0, n1 = float(cfg.get("base_image_seq_len", base_seq_len)), float(cfg.get("max_image_seq_len", max_seq_len))
+    m0, m1 = float(cfg.get("base_shift", base_shift)), float(cfg.get("max_shift", max_shift))
+    return m0 + (m1 - m0) / (n1 - n0) * (float(seq_len) - n0)
+
+
+def pipeline_sigmas(scheduler, num_steps: int, mu: float | None, family: str) -> list[float]:
+    """The ``num_steps + 1`` sigmas (float32 values, last 0) that a pipeline calling
+    ``scheduler.set_timesteps(sigmas=linspace(1, 1 / n, n), mu=mu)`` steps through (Qwen-Image, LTX-2): its shift and
+    terminal stretch (``shift_terminal``) included, computed on a fresh copy of ``scheduler``; for
+    ``RolloutConfig(schedule=...)``.
+
+    Raises:
+        ValueError: num_steps < 1 (names the family).
+    """
+    import numpy as np
+
+    if int(num_steps) < 1:
+        raise ValueError(f"{family}: num_steps={num_steps} must be >= 1")
+    n = int(num_steps)
+    fresh = type(scheduler).from_config(scheduler.config)
+    fresh.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
+    return fresh.sigmas.tolist()
+
+
+#: keys of an encoding that are Conditioning's own fields (the rest go to ``Conditioning.extras``).
+_TEXT_KEYS = ("hidden_states", "attention_mask", "pooled")
+
+
+def _stack_to(rows: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Stack per-prompt tensors to [B, ...] on ``device``; floating ones in ``dtype``, others as they are."""
+    out = torch.stack(rows).to(device)
+    return out.to(dtype) if out.is_floating_point() else out
 
 
 def _dtype_kwargs(dtype: torch.dtype) -> dict:
