@@ -145,6 +145,35 @@ REAL["hunyuan_video15"] = {
     "guider": dict(guidance_scale=6.0),
 }
 SIZES["hunyuan_video15"] = dict(height=480, width=848, num_frames=121)
+# LTX-2 (19B: the video stream 14B, the audio stream 5B; the "2.0" configs of diffusers'
+# scripts/convert_ltx2_to_diffusers.py for the transformer, video VAE and connectors; AutoencoderKLLTX2Audio's and
+# LTX2Vocoder's defaults are the release's). Gemma-3-12B's text width (3840) cut to one thin layer, so the connectors
+# take 2 stacked hidden states (text_proj_in_factor = layers + 1); the released size 512x768x121 (FAMILY_DEFAULTS);
+# 128 text tokens (TEXT_TOKENS: a multiple of the connectors' 128 learnable registers)
+REAL["ltx2"] = {
+    "transformer": dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                        attention_head_dim=128, cross_attention_dim=4096, vae_scale_factors=(8, 32, 32),
+                        audio_in_channels=128, audio_out_channels=128, audio_num_attention_heads=32,
+                        audio_attention_head_dim=64, audio_cross_attention_dim=2048, num_layers=48,
+                        caption_channels=3840, rope_double_precision=True, rope_type="split",
+                        timestep_scale_multiplier=1000, cross_attn_timestep_scale_multiplier=1000),
+    "vae": dict(decoder_causal=False, spatial_compression_ratio=32, temporal_compression_ratio=8),
+    "audio_vae": {},
+    "text_encoder": dict(
+        text_config=dict(hidden_size=3840, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=4, head_dim=64, vocab_size=256, max_position_embeddings=2048,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=2),
+        vision_config=dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=64, patch_size=16),
+        mm_tokens_per_image=16, boi_token_index=250, eoi_token_index=251, image_token_index=252),
+    "tokenizer": dict(specials=["<pad>", "<eos>", "<bos>", "<unk>"], pad_token="<pad>", eos_token="<eos>",
+                      bos_token="<bos>", unk_token="<unk>", add_bos=True, add_eos=False, model_max_length=1024),
+    "connectors": dict(text_proj_in_factor=2, rope_type="split"),
+    "vocoder": {},
+}
+SIZES["ltx2"] = dict(height=512, width=768, num_frames=121)
+#: text tokens of the real-size runs per family (64 when not named)
+TEXT_TOKENS = {"ltx2": 128}
 
 
 def _sync():
@@ -232,9 +261,10 @@ def measure(args: argparse.Namespace) -> dict:
         if value is not None:
             size[key] = value
     t0 = time.perf_counter()
+    tokens = TEXT_TOKENS.get(args.family, 64) if not args.tiny else 16
     gen = build_generator(GeneratorSpec(family=args.family, components=comps, torch_dtype=dtype,
-                                        gradient_checkpointing=not args.no_grad_ckpt, max_sequence_length=64 if not
-                                        args.tiny else 16, **size))
+                                        gradient_checkpointing=not args.no_grad_ckpt, max_sequence_length=tokens,
+                                        **size))
     LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank).add_to(gen)
     gen.to(device)
     if args.fsdp2:

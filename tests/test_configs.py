@@ -21,6 +21,7 @@ FAMILY_CONFIGS = {
     "flux2": "configs/grpo/flux.2_dev.yaml",
     "sana": "configs/grpo/sana.yaml",
     "hunyuan_video15": "configs/grpo/hunyuan_video1.5_t2v.yaml",
+    "ltx2": "configs/grpo/ltx2_t2v.yaml",
     "skyreels_v2": "configs/grpo/skyreels_v2_t2v.yaml",
     "qwen_image": "configs/grpo/qwen_image.yaml",
 }

@@ -63,6 +63,7 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "SanaPipeline": "sana",
     "QwenImagePipeline": "qwen_image",
     "HunyuanVideo15Pipeline": "hunyuan_video15",
+    "LTX2Pipeline": "ltx2",
     "SkyReelsV2DiffusionForcingPipeline": "skyreels_v2",
     "SkyReelsV2Pipeline": "skyreels_v2",
 }
@@ -86,6 +87,10 @@ PIPELINE_FAMILIES: dict[str, str] = {
 #: Qwen-Image (the model card's example: 1328x1328 (1:1), 50 steps, true_cfg_scale 4 with negative prompt " ";
 #: shift: the adapter's default_shift_for_size). cfg_scale 4 is genrl's plain CFG, without the pipeline's norm
 #: rescale; the adapter's options.true_cfg_scale (with cfg_scale 1) is the pipeline's exact guidance.
+#: LTX-2 (LTX2Pipeline as released for LTX-2.0, diffusers PR #12915: its __call__ defaults and example docstring:
+#: 512x768, 121 frames, 24 fps (frame_rate), 40 steps, guidance_scale 4; later diffusers releases default to
+#: LTX-2.5's 30 steps and CFG 3 with STG / modality guidance / rescale, which genrl's plain CFG does not reproduce;
+#: shift: the adapter's default_shift_for_size, exact schedule: its pipeline_schedule).
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "wan": dict(height=480, width=832, num_frames=81, steps=50, cfg_scale=5.0, fps=16),
     "wan22": dict(height=720, width=1280, num_frames=81, steps=40, cfg_scale=4.0, fps=16),
@@ -99,6 +104,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "sana": dict(height=1024, width=1024, num_frames=1, steps=20, cfg_scale=4.5, fps=None),
     "hunyuan_video15": dict(height=480, width=848, num_frames=121, steps=50, cfg_scale=6.0, fps=24),
     "skyreels_v2": dict(height=544, width=960, num_frames=97, steps=30, cfg_scale=6.0, fps=24),
+    "ltx2": dict(height=512, width=768, num_frames=121, steps=40, cfg_scale=4.0, fps=24),
 }
 
 #: sample size / sampler defaults of genrl's shapes DiT (assets/shapes-dit).
@@ -190,6 +196,15 @@ def size_multiples(model: str | Path) -> dict[str, Any] | None:
     ph, pw = (int(patch[1]), int(patch[2])) if isinstance(patch, (list, tuple)) else (int(patch), int(patch))
     if family in ("wan", "wan22", "wan_i2v", "wan22_ti2v", "skyreels_v2"):  # the Wan VAEs: frames 4k + 1
         st, ss = int(vae.get("scale_factor_temporal") or 4), int(vae.get("scale_factor_spatial") or 8)
+        return dict(height=ss * ph, width=ss * pw, frames=st, frames_offset=1,
+                    why=f"VAE factor {ss} x patch {ph}; frames {st}k+1")
+    if family == "ltx2":  # AutoencoderKLLTX2Video: the released config names its factors (32 spatial, 8 temporal;
+        # diffusers' scripts/convert_ltx2_to_diffusers.py), else patch x 2^(scaling blocks) as the class computes them
+        scaling = vae.get("spatio_temporal_scaling", [True] * 4)
+        blocks = len(vae.get("layers_per_block") or [0] * 5) - 1  # a bool scales every encoder block but the last
+        scaled = sum(map(bool, scaling)) if isinstance(scaling, list) else blocks * bool(scaling)
+        ss = int(vae.get("spatial_compression_ratio") or int(vae.get("patch_size") or 4) * 2 ** scaled)
+        st = int(vae.get("temporal_compression_ratio") or int(vae.get("patch_size_t") or 1) * 2 ** scaled)
         return dict(height=ss * ph, width=ss * pw, frames=st, frames_offset=1,
                     why=f"VAE factor {ss} x patch {ph}; frames {st}k+1")
     if family == "hunyuan_video15":  # AutoencoderKLHunyuanVideo15 names its factors (16 spatial, 4 temporal)

@@ -215,6 +215,46 @@ TINY: dict[str, dict[str, dict]] = {
         "tokenizer_2": {},
         "guider": dict(guidance_scale=6.0),
     },
+    # LTX-2 (diffusers' LTX2Pipeline test sizes: VAE 2x spatial and temporal, 4 latent channels, audio VAE / vocoder
+    # / transformer audio stream of the test; the VAE encoder downsamples in time too, as its decoder upsamples, so
+    # that encode gives the decoder's latent frames); the Gemma-3 text model 32 wide with 2 layers (connectors: 3
+    # stacked hidden states) and a one-block vision tower; connectors with 8 learnable registers (the test has none;
+    # the release has 128), so that the register path runs; Gemma's tokenizer ids (pad 0, eos 1, bos 2, unk 3)
+    "ltx2": {
+        "transformer": dict(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+                            attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+                            audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8,
+                            num_layers=2, qk_norm="rms_norm_across_heads", caption_channels=32,
+                            rope_double_precision=False, rope_type="split"),
+        "vae": dict(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[8],
+                    decoder_block_out_channels=[8], layers_per_block=[1], decoder_layers_per_block=[1, 1],
+                    spatio_temporal_scaling=[True], decoder_spatio_temporal_scaling=[True],
+                    decoder_inject_noise=[False, False], downsample_type=["spatiotemporal"], upsample_residual=[False],
+                    upsample_factor=[1], timestep_conditioning=False, patch_size=1, patch_size_t=1,
+                    encoder_causal=True, decoder_causal=False),
+        "audio_vae": dict(base_channels=4, output_channels=2, ch_mult=[1], num_res_blocks=1, attn_resolutions=None,
+                          in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
+                          dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160,
+                          is_causal=True, mel_bins=8),
+        "text_encoder": dict(
+            text_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16, vocab_size=64, max_position_embeddings=512,
+                             sliding_window=8, pad_token_id=0, eos_token_id=1, bos_token_id=2),
+            vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               image_size=16, patch_size=8),
+            mm_tokens_per_image=4, boi_token_index=60, eoi_token_index=61, image_token_index=62),
+        "tokenizer": dict(specials=["<pad>", "<eos>", "<bos>", "<unk>"], pad_token="<pad>", eos_token="<eos>",
+                          bos_token="<bos>", unk_token="<unk>", add_bos=True, add_eos=False, model_max_length=1024),
+        "connectors": dict(caption_channels=32, text_proj_in_factor=3, video_connector_num_attention_heads=4,
+                           video_connector_attention_head_dim=8, video_connector_num_layers=1,
+                           video_connector_num_learnable_registers=8, audio_connector_num_attention_heads=4,
+                           audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+                           audio_connector_num_learnable_registers=8, connector_rope_base_seq_len=32,
+                           rope_double_precision=False, rope_type="split"),
+        "vocoder": dict(in_channels=16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                        upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                        leaky_relu_negative_slope=0.1, output_sampling_rate=16000),
+    },
 }
 
 TINY_SIZE: dict[str, dict[str, int]] = {
@@ -229,6 +269,7 @@ TINY_SIZE: dict[str, dict[str, int]] = {
     "flux2_klein": dict(height=16, width=16, max_sequence_length=32),  # latents [4, 8, 8]
     "sana": dict(height=32, width=32, max_sequence_length=16),  # SanaPipeline needs multiples of 32
     "hunyuan_video15": dict(height=16, width=16, num_frames=9, max_sequence_length=16),  # latents [4, 5, 4, 4]
+    "ltx2": dict(height=32, width=32, num_frames=5, max_sequence_length=16),  # latents [4, 3, 16, 16]
     "qwen_image": dict(height=16, width=16, max_sequence_length=16),  # 4x4 latents, 2x2 tokens
     "skyreels_v2": dict(height=16, width=16, num_frames=9, max_sequence_length=16),  # 3 latent frames
 }

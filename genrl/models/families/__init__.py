@@ -33,6 +33,7 @@ FAMILIES = {
     "qwen_image": "genrl.models.families.qwen_image.QwenImageGenerator",
     "skyreels_v2": "genrl.models.families.skyreels_v2.SkyReelsV2Generator",
     "hunyuan_video15": "genrl.models.families.hunyuan_video15.HunyuanVideo15Generator",
+    "ltx2": "genrl.models.families.ltx2.LTX2Generator",
 }
 
 
@@ -72,6 +73,8 @@ class GeneratorSpec:
             ``"skyreels_v2"``: SkyReels-V2 (diffusion-forcing Wan2.1 architecture; per-frame sigma [B, F]).
             ``"hunyuan_video15"``: HunyuanVideo-1.5 T2V (Qwen2.5-VL + ByT5 glyph text; zero image-condition
             channels; ``options``: ``vae_tiling``).
+            ``"ltx2"``: LTX-2 text-to-video, video only (Gemma-3 + text connectors; the audio stream isolated;
+            ``options``: ``frame_rate``, ``vae_tiling``).
         pretrained: local diffusers pipeline folder (``model_index.json`` + component folders); a hub id only
             with ``local_files_only: false``. For ``dit``: a ``VideoDiT.save_pretrained`` folder such as
             ``assets/shapes-dit``. None builds from ``components`` with random weights.

@@ -15,13 +15,12 @@ and unpacks inside ``velocity`` so noise, sampler steps and log-probs are in the
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
-from genrl.models.families.base import DiffusersGenerator
-from genrl.models.families.flux import flux_dynamic_shift
+from genrl.models.families.base import DiffusersGenerator, dynamic_shift_mu, pipeline_sigmas
 from genrl.models.text_encoder import Conditioning
 
 __all__ = ["QwenImageGenerator", "QWEN_IMAGE_SCHEDULER"]
@@ -141,41 +140,24 @@ class QwenImageGenerator(DiffusersGenerator):
         return (h // 2) * (w // 2)
 
     def _mu(self) -> float | None:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        cfg = self.pipeline.scheduler.config
-        if not cfg.get("use_dynamic_shifting", False):
-            return None
-        return calculate_shift(self.image_seq_len, cfg.get("base_image_seq_len", 256),
-                               cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
-                               cfg.get("max_shift", 1.15))
+        return dynamic_shift_mu(self.pipeline.scheduler, self.image_seq_len, 256, 4096, 0.5, 1.15)
 
     @property
     def default_shift_for_size(self) -> float:
-        """The pipeline's shift at this size, e^mu (:func:`~genrl.models.families.flux.flux_dynamic_shift` with the
-        scheduler's values; 2.303 at 1328x1328, 1.714 at 512x512), or the static ``shift`` without dynamic
-        shifting. The pipeline's schedule also has the terminal stretch: see :meth:`pipeline_schedule`."""
-        cfg = self.pipeline.scheduler.config
-        if self._mu() is None:
-            return float(cfg.get("shift", 1.0))
-        return flux_dynamic_shift(self.image_seq_len, cfg.get("base_image_seq_len", 256),
-                                  cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
-                                  cfg.get("max_shift", 1.15))
+        """The pipeline's shift at this size, e^mu (the scheduler's values; 2.303 at 1328x1328, 1.714 at 512x512), or
+        the static ``shift`` without dynamic shifting. The pipeline's schedule also has the terminal stretch: see
+        :meth:`pipeline_schedule`."""
+        mu = self._mu()
+        return float(self.pipeline.scheduler.config.get("shift", 1.0)) if mu is None else math.exp(mu)
 
     def pipeline_schedule(self, num_steps: int) -> list[float]:
-        """The ``num_steps + 1`` sigmas (float32 values, last 0) ``QwenImagePipeline`` samples with at this size:
-        its scheduler's ``set_timesteps`` on a fresh copy of the scheduler (shift e^mu, terminal stretch), for
-        ``RolloutConfig(schedule=...)``.
+        """The ``num_steps + 1`` sigmas (float32 values, last 0) ``QwenImagePipeline`` samples with at this size
+        (shift e^mu, terminal stretch), for ``RolloutConfig(schedule=...)``.
 
         Raises:
             ValueError: num_steps < 1.
         """
-        if int(num_steps) < 1:
-            raise ValueError(f"qwen_image: num_steps={num_steps} must be >= 1")
-        n = int(num_steps)
-        scheduler = type(self.pipeline.scheduler).from_config(self.pipeline.scheduler.config)
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=self._mu())
-        return scheduler.sigmas.tolist()
+        return pipeline_sigmas(self.pipeline.scheduler, num_steps, self._mu(), self.family)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """Latents [B, C, h, w] -> tokens [B, h/2 * w/2, 4C] (2x2 patches, row-major, channel-major inside a patch:
