@@ -29,7 +29,11 @@ CFG; ``--outer-steps`` / ``--inner-steps`` override M / N, the ODE flags are ref
 Prompts come from ``--prompt`` (repeatable) and / or
 ``--prompts`` (a .txt / .jsonl / .json file such as VBench's ``VBench_full_info.json``, or a built-in source:
 ``vbench``, ``vbench:<dimension>`` (e.g. ``vbench:dynamic_degree``), ``geneval``, ``ocr``, ``shapes:train``,
-``shapes:heldout``), the latter cut to ``--limit``.
+``shapes:heldout``), the latter cut to ``--limit``. An image-to-video model (``wan_i2v``, or ``wan22_ti2v`` given
+an image) takes each prompt's first frame from ``--image`` (paired with the ``--prompt`` at the same position, or one
+for all) or from an ``image`` field per line of a ``.jsonl`` prompt file; missing files are refused before the model
+loads, images of another size than the sample's once the size is known (before anything is generated); the
+manifest records each prompt's image under ``metadata``.
 
 Sampling is the deterministic ODE of :func:`genrl.rollout.sampler.rollout` (``--steps``, ``--cfg-scale``,
 ``--shift``; defaults: the sampler a genrl export or checkpoint recorded (``genrl_export.json``, or a checkpoint's
@@ -72,7 +76,7 @@ SETTINGS_FILE = "generate_settings.json"
 _LAYOUT_FLAGS = ("model", "pretrained", "no_ema", "text_encoder", "prompt", "prompts", "samples_per_prompt",
                  "vbench_names", "frames", "height", "width", "steps", "cfg_scale", "shift", "negative_prompt", "seed",
                  "fps", "causal_chunk", "timesteps", "local_window", "sink", "positions", "dtype", "outer_steps",
-                 "inner_steps")
+                 "inner_steps", "image")
 
 
 def layout_settings(args: argparse.Namespace) -> dict:
@@ -94,10 +98,12 @@ def check_settings(out: Path, settings: dict) -> None:
         old = json.loads(path.read_text())
     except ValueError:
         return
-    diff = [k for k in settings if k in old and old[k] != settings[k]]
+    # a flag the folder's record lacks (written by an older genrl) is taken as equal; a lacking "image" as none given
+    recorded = {k: old.get(k, [] if k == "image" else settings[k]) for k in settings}
+    diff = [k for k in settings if recorded[k] != settings[k]]
     if diff:
         shown = lambda v: "the model's default (not given)" if v is None else repr(v)  # noqa: E731
-        flags = "; ".join(f"--{k.replace('_', '-')}: {shown(old[k])} in the folder, {shown(settings[k])} now"
+        flags = "; ".join(f"--{k.replace('_', '-')}: {shown(recorded[k])} in the folder, {shown(settings[k])} now"
                           for k in diff)
         raise ValueError(f"{str(out)!r} holds samples made with other settings ({flags}); its files would mix two "
                          f"layouts. Use a new --out for these settings, or rerun with the folder's flags "
@@ -232,6 +238,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="checkpoints only: the raw weights, not the EMA")
     p.add_argument("--text-encoder", default=None, help="DiT only: local text-encoder folder or 'minilm'")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--image", action="append", default=[],
+                   help="image-to-video: the first frame (a file at the sample size) of the --prompt at the same "
+                        "position (repeatable; one --image serves every --prompt); a --prompts .jsonl gives an "
+                        "'image' per line")
     p.add_argument("--prompts", default=None,
                    help="prompt file (.txt/.jsonl/.json) or built-in source (vbench, vbench:<dimension>, geneval, ocr, "
                         "shapes:heldout)")
@@ -278,7 +288,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be >= 1, got {args.limit}")
-    records_in = [PromptRecord(p) for p in args.prompt]
+    if args.image and len(args.image) not in (1, len(args.prompt)):
+        parser.error(f"{len(args.image)} --image for {len(args.prompt)} --prompt: give one --image per --prompt, or "
+                     f"one for all")
+    from genrl.models.conditions import Prompt, check_prompt_images
+
+    images = args.image * len(args.prompt) if len(args.image) == 1 else args.image
+    records_in = ([PromptRecord(Prompt(p, str(Path(i).expanduser())), {"image": i})
+                   for p, i in zip(args.prompt, images, strict=True)] if images
+                  else [PromptRecord(p) for p in args.prompt])
     if args.prompts:
         source = load_prompts(args.prompts)
         if args.limit is not None and args.limit > len(source):
@@ -294,6 +312,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     # everything that can be checked without the model, before loading it (nothing is written on failure)
     check_sample_size(args.model, args.height, args.width, args.frames)
+    for rec in records_in:  # image-to-video: the files exist (their size is checked once the sample size is known)
+        image = getattr(rec.prompt, "image", None)
+        if isinstance(image, str) and not Path(image).is_file():
+            raise FileNotFoundError(f"conditioning image {image!r} of the prompt {str(rec.prompt)!r} does not exist")
     if args.pretrained is not None and not Path(args.pretrained).expanduser().is_dir():
         parser.error(f"--pretrained {args.pretrained!r} is not a folder; give the local base-model folder")
     out = Path(args.out)
@@ -366,6 +388,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     what = f"{steps} steps, CFG {cfg_scale}, shift {shift}"
     if transition is not None:
         what = f"M {tconfig.outer_steps} x N {tconfig.inner_steps} transitions (NFE {settings['effective_nfe']})"
+    needs_image = getattr(gen, "requires_image", False)
+    if needs_image and not all(getattr(r.prompt, "image", None) for r in records_in):
+        raise ValueError(f"{kind} is an image-to-video model: give each prompt its first frame (--image, or an 'image' "
+                         f"field per line of a --prompts .jsonl)")
+    check_prompt_images([r.prompt for r in records_in], height, width)
     print(f"loaded {kind} generator from {args.model} in {time.perf_counter() - t0:.1f} s; "
           f"{height}x{width}x{num_frames}, {what}, on {device}")
 

@@ -108,6 +108,47 @@ def test_generate_with_a_wan_pipeline_folder(wan_folder, tmp_path):
     assert len(_manifest(out)) == 2
 
 
+def test_generate_image_to_video_with_image_flags(tmp_path, monkeypatch):
+    """--image gives each --prompt its first frame (Wan2.2-TI2V: the video starts at the image, within the VAE's and
+    the mp4 codec's error); the manifest records the image; an image-to-video model without images, an image of
+    another size (before anything is written) and a missing file (before the model loads) are refused."""
+    import numpy as np
+    from PIL import Image
+
+    from genrl.data.video_io import read_video
+
+    folder = save_tiny_pipeline("wan22_ti2v", tmp_path / "ti2v")
+    pixels = np.zeros((32, 32, 3), dtype=np.uint8)
+    pixels[8:24, 8:24] = (220, 40, 40)  # a red square on black: easy for the codec
+    Image.fromarray(pixels).save(tmp_path / "first.png")
+    Image.fromarray(pixels[:16, :16]).save(tmp_path / "small.png")
+    common = ["--model", str(folder), "--height", "32", "--width", "32", "--frames", "5", "--steps", "2"]
+    records = generate.main(common + ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--image",
+                                      str(tmp_path / "first.png"), "--out", str(tmp_path / "out")])
+    assert [r["metadata"]["image"] for r in records] == [str(tmp_path / "first.png")] * 2
+    video = read_video(tmp_path / "out" / records[0]["file"], num_frames=5, size=(32, 32))
+    from genrl.models.loading import load_generator
+
+    gen = load_generator(str(folder), height=32, width=32, num_frames=5)
+    image = torch.from_numpy(pixels).permute(2, 0, 1).float() / 255
+    round_trip = gen.decode(gen.encode(image[None, None]))[0, 0]  # the tiny random VAE's own (large) error
+    assert (video[0] - round_trip).abs().mean() < 0.03  # what is left is the mp4 codec's
+    with pytest.raises(ValueError, match="is 16x16 .* samples 32x32"):
+        generate.main(common + ["--prompt", PROMPTS[0], "--image", str(tmp_path / "small.png"),
+                                "--out", str(tmp_path / "small")])
+    assert not list((tmp_path / "small").glob("*.mp4"))
+    i2v = save_tiny_pipeline("wan_i2v", tmp_path / "i2v")
+    with pytest.raises(ValueError, match="image-to-video model: give each prompt its first frame"):
+        generate.main(["--model", str(i2v), "--height", "16", "--width", "16", "--frames", "5", "--steps", "2",
+                       "--prompt", PROMPTS[0], "--out", str(tmp_path / "none")])
+    import genrl.models.loading as loading
+
+    monkeypatch.setattr(loading, "load_generator", lambda *a, **k: pytest.fail("loaded before checking the image"))
+    with pytest.raises(FileNotFoundError, match="missing.png"):
+        generate.main(common + ["--prompt", PROMPTS[0], "--image", str(tmp_path / "missing.png"),
+                                "--out", str(tmp_path / "missing")])
+
+
 def test_generate_with_an_image_family_writes_pngs(tmp_path):
     """Runs once an image family (sd3 / flux / sana) has its tiny components in genrl.testing.families."""
     from genrl.testing.families import TINY, TINY_SIZE
