@@ -7,6 +7,11 @@ on a CPU.
     python benchmarks/family_grpo_step.py --family wan                 # Wan2.1-1.3B, 480x832x81, LoRA r32
     python benchmarks/family_grpo_step.py --family sd3 --batch 8       # SD3.5-M, 512 px
     python benchmarks/family_grpo_step.py --family wan --tiny          # CPU smoke run
+    python benchmarks/family_grpo_step.py --family wan22               # Wan2.2-T2V-A14B (two experts), 480x832x81
+    python benchmarks/family_grpo_step.py --family wan22_ti2v          # Wan2.2-TI2V-5B image-to-video, 704x1280x121
+
+``wan_i2v`` and ``wan22_ti2v`` are measured in image-to-video (one random first frame per prompt); every family of
+``REAL`` has a section of ``benchmarks/gpu_suite.py --families``.
 
 What it measures (one JSON line on stdout, also appended to --out when given):
 - ``raw_forward_s``: one transformer forward at the rollout's micro-batch (CFG doubles it), timed alone;
@@ -172,6 +177,39 @@ REAL["ltx2"] = {
     "vocoder": {},
 }
 SIZES["ltx2"] = dict(height=512, width=768, num_frames=121)
+# Wan2.1-14B's transformer (diffusers' Wan2.1-T2V-14B config) = each expert of Wan2.2-A14B
+_WAN_14B = dict(patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+# Wan2.2-T2V-A14B: two 14B experts, boundary 0.875; measured at the GRPO config's 480x832x81
+REAL["wan22"] = {"transformer": _WAN_14B, "transformer_2": _WAN_14B, "vae": {}, "text_encoder": _T5_1L,
+                 "tokenizer": _T5_TOK, "pipeline": dict(boundary_ratio=0.875)}
+SIZES["wan22"] = dict(height=480, width=832, num_frames=81)
+# Wan2.1-I2V-14B-480P: 36 input channels, CLIP ViT-H image tokens (added K / V projections 5120 wide); the image
+# encoder cut to one layer of its real width (1280); 480x832x81, the released size
+REAL["wan_i2v"] = {
+    "transformer": dict(_WAN_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
+    "vae": {}, "text_encoder": _T5_1L, "tokenizer": _T5_TOK,
+    "image_encoder": dict(hidden_size=1280, intermediate_size=256, num_hidden_layers=1, num_attention_heads=16,
+                          image_size=224, patch_size=14, projection_dim=1024),
+    "image_processor": dict(crop_size=224, size=224),
+}
+SIZES["wan_i2v"] = dict(height=480, width=832, num_frames=81)
+# Wan2.2-TI2V-5B (diffusers' Wan2.2-TI2V-5B config: 3072 wide, 30 layers, 48 channels; the Wan2.2 VAE), measured
+# in image-to-video (the given first frame fixed) at the released 704x1280x121
+REAL["wan22_ti2v"] = {
+    "transformer": dict(patch_size=[1, 2, 2], num_attention_heads=24, attention_head_dim=128, in_channels=48,
+                        out_channels=48, text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30,
+                        cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    "vae": dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48,
+                latents_std=[1.0] * 48),
+    "text_encoder": _T5_1L, "tokenizer": _T5_TOK, "pipeline": dict(expand_timesteps=True),
+}
+SIZES["wan22_ti2v"] = dict(height=704, width=1280, num_frames=121)
+#: families measured in image-to-video (each prompt given a first frame)
+IMAGE_TO_VIDEO = ("wan_i2v", "wan22_ti2v")
 #: text tokens of the real-size runs per family (64 when not named)
 TEXT_TOKENS = {"ltx2": 128}
 
@@ -246,6 +284,7 @@ def measure(args: argparse.Namespace) -> dict:
         alone (weights, trajectory and optimizer state included, as they stay allocated).
     """
     from genrl.flow.policy import clipped_policy_loss
+    from genrl.models.conditions import null_prompts
     from genrl.models.families import GeneratorSpec, build_generator
     from genrl.models.lora import LoraSpec
     from genrl.rollout.sampler import RolloutConfig, guided_velocity, rollout, transition_log_prob
@@ -272,10 +311,15 @@ def measure(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     n_params = sum(q.numel() for q in gen.transformer.parameters() if not q.requires_grad)
     prompts = ["a red circle moving left"] * args.batch
+    if args.family in IMAGE_TO_VIDEO:  # one random first frame of the sample size, shared by the batch
+        from genrl.models.conditions import Prompt
+
+        frame = torch.rand(3, gen.height, gen.width, generator=torch.Generator().manual_seed(0))
+        prompts = [Prompt(p, frame) for p in prompts]
     config = RolloutConfig(num_steps=args.steps, shift=3.0, kernel="flow_grpo", cfg_scale=args.cfg_scale,
                            sde_steps="prefix", num_sde_steps=args.trained_steps, micro_batch_size=args.batch)
     cond = gen.encode_prompts(prompts)
-    uncond = gen.encode_prompts([""] * args.batch)
+    uncond = gen.encode_prompts(null_prompts(prompts, ""))
     gen.eval()
 
     # raw transformer forward at the rollout's batch (x2 under CFG), timed alone

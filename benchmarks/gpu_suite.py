@@ -37,6 +37,12 @@ Sections, in order (anchors: docs/models.md, "Reference throughput figures"):
    (the DMD student's 4 forwards); the speed-up, the NFE ratio (1.71) and CUDA peaks. ``--tiny``: the tiny Wan
    transformer with 30 blocks.
 
+F. ``--families wan22 ...`` (or ``all``), not in the default run: ``family_grpo_step.measure`` for each family added
+   with Wan2.2 / image-to-video at its released size (the GRPO config's for Wan2.2-A14B and Qwen-Image), random
+   weights built directly in bf16: Wan2.2-T2V-A14B, Wan2.1-I2V-14B and Wan2.2-TI2V-5B (image-to-video), SkyReels-V2,
+   HunyuanVideo-1.5, LTX-2 (video stream), Qwen-Image, FLUX.2 [dev]; raw forward, rollout, decode, LoRA GRPO step,
+   CUDA peaks. Some do not fit one 80 GiB GPU (two 14B experts, FLUX.2's 32B): ask for the H200.
+
 Robustness: each section runs in try/except and records ``"ok"``, ``"error: ..."`` (with a short traceback) or
 ``"skipped: ..."``; a section starts only if the global budget (``--budget-s``, default 520 s from the start of
 the process) leaves its estimated need, else it is recorded as ``"skipped: budget ..."``, and it is stopped at
@@ -945,6 +951,35 @@ SECTIONS = [
 ]
 
 
+def _family_section(family: str) -> Callable[[SuiteContext, dict], None]:
+    def run(ctx: SuiteContext, out: dict) -> None:
+        out.update(family_grpo_step.measure(_family_args(ctx, ["--family", family])))
+        ctx.log(f"  {family} forward {out['raw_forward_s']} s, rollout {out['rollout_s']} s, GRPO step "
+                f"{out['grpo_step_s']} s, peak {out['peak_gib']} GiB")
+
+    run.__doc__ = f"``family_grpo_step`` for ``{family}`` at its released (or its GRPO config's) size."
+    return run
+
+
+#: the families added with Wan2.2 / image-to-video (issue 49) at their released sizes, random weights: LoRA r32, CFG
+#: 5, 20 steps, 2 trained SDE steps (family_grpo_step's settings; sizes: its SIZES). Not in the default run (their
+#: weights alone are 10-57 GiB and building them takes minutes): ``--families all`` or ``--families wan22 ...``.
+#: need_s are guesses (never run on a GPU yet): build + 20-step rollout + 2 GRPO steps.
+FAMILY_SECTIONS = [
+    Section(f"family_{name}", f"F. {title}", _family_section(name), need_s=need, limit_s=3 * need, tiny_need_s=5.0)
+    for name, title, need in (
+        ("wan22", "Wan2.2-T2V-A14B (2 x 14B experts), 480x832x81, rollout + LoRA GRPO step", 300),
+        ("wan_i2v", "Wan2.1-I2V-14B image-to-video, 480x832x81, rollout + LoRA GRPO step", 240),
+        ("wan22_ti2v", "Wan2.2-TI2V-5B image-to-video, 704x1280x121, rollout + LoRA GRPO step", 200),
+        ("skyreels_v2", "SkyReels-V2-DF-1.3B, 544x960x97, rollout + LoRA GRPO step", 90),
+        ("hunyuan_video15", "HunyuanVideo-1.5 (8.3B), 480x848x121, rollout + LoRA GRPO step", 240),
+        ("ltx2", "LTX-2 (19B, video stream), 512x768x121, rollout + LoRA GRPO step", 240),
+        ("qwen_image", "Qwen-Image (20B), 512 px, rollout + LoRA GRPO step", 150),
+        ("flux2", "FLUX.2 [dev] (32B), 1024 px, rollout + LoRA GRPO step", 300),
+    )
+]
+
+
 # ---------------------------------------------------------------------------------------------------- the table
 
 
@@ -1082,6 +1117,7 @@ ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {
     "wan_grpo": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
     "wan_grpo_fsdp2": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
     "sd3_grpo": lambda r, tiny: _row_family(r, tiny, None),
+    **{s.name: (lambda r, tiny: _row_family(r, tiny, None)) for s in FAMILY_SECTIONS},
     "causal_stream": _row_causal,
     "fp8_compile": _row_fp8,
     "sol_rl_rollout": _row_sol_rl,
@@ -1142,6 +1178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="tiny components on the CPU (smoke run, float32)")
     p.add_argument("--sections", nargs="+", choices=[s.name for s in SECTIONS], default=None,
                    help="run only these sections (the others are recorded as not selected)")
+    p.add_argument("--families", nargs="+", default=[],
+                   choices=["all"] + [s.name.removeprefix("family_") for s in FAMILY_SECTIONS],
+                   help="also run the real-size sections of these families (issue 49; not in the default run), "
+                        "after the selected sections; 'all' for every one")
     p.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; eager on CPU)")
     p.add_argument("--fp8-native", choices=["fallback", "always", "never"], default="fallback",
                    help="run the plain _scaled_mm fp8 linear: only when torchao's fp8 did not run (default), "
@@ -1193,7 +1233,10 @@ def main(argv: list[str] | None = None, start: float | None = None) -> dict:
                        fp8_native=args.fp8_native, save=save, log=log)
     try:
         with _interrupts_recorded():
-            run_sections(SECTIONS, ctx, report, set(args.sections) if args.sections else None)
+            families = [s for s in FAMILY_SECTIONS
+                        if "all" in args.families or s.name.removeprefix("family_") in args.families]
+            selected = set(args.sections) if args.sections else {s.name for s in SECTIONS}
+            run_sections(SECTIONS + families, ctx, report, selected | {s.name for s in families})
         report["finished"] = True
     finally:
         save()

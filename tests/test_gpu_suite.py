@@ -37,7 +37,7 @@ def _context(tmp_path, budget_s: float, saves: list) -> gpu_suite.SuiteContext:
 
 def test_sections_cover_the_issue():
     assert [s.name for s in gpu_suite.SECTIONS] == SECTION_NAMES
-    assert set(gpu_suite.ROWS) == set(SECTION_NAMES)
+    assert set(gpu_suite.ROWS) == set(SECTION_NAMES) | {s.name for s in gpu_suite.FAMILY_SECTIONS}
     # the estimated needs fit in the default budget with room for imports
     assert sum(s.need_s for s in gpu_suite.SECTIONS) < 0.8 * 520
 
@@ -360,3 +360,23 @@ def test_tmd_fps_section_samples_both_students_on_the_tiny_wan(tmp_path):
     assert out["peak_gib"] is None and t["peak_gib"] is None  # CPU: no CUDA memory figures
     measured, anchor = gpu_suite.ROWS["tmd_fps"](out, True)
     assert "effective NFE 2.33" in measured and "4-step Euler" in measured and "x1.71" in anchor
+
+
+def test_family_sections_are_opt_in_and_run_on_the_tiny_components(tmp_path):
+    """Every family of family_grpo_step added with Wan2.2 / image-to-video has a real-size section; the default run
+    leaves them out; ``--families`` adds them after the selected sections (here on the tiny components: the
+    image-to-video ones get a first frame, so their rollout, decode and GRPO step run)."""
+    import family_grpo_step
+
+    names = [s.name.removeprefix("family_") for s in gpu_suite.FAMILY_SECTIONS]
+    assert set(names) <= set(family_grpo_step.REAL) and {"wan22", "wan_i2v", "wan22_ti2v", "ltx2"} <= set(names)
+    assert not {s.name for s in gpu_suite.FAMILY_SECTIONS} & set(SECTION_NAMES)
+    out = tmp_path / "suite.json"
+    report = gpu_suite.main(["--tiny", "--out", str(out), "--sections", "noise", "--families", "wan22_ti2v",
+                             "wan22"])
+    secs = report["sections"]
+    assert [n for n, r in secs.items() if r["status"] == "ok"] == ["noise", "family_wan22", "family_wan22_ti2v"]
+    for name in ("family_wan22", "family_wan22_ti2v"):
+        r = secs[name]["result"]
+        assert r["rollout_s"] > 0 and r["grpo_step_s"] > 0 and r["tiny"]
+    assert "F. Wan2.2-TI2V-5B" in gpu_suite.markdown(report)

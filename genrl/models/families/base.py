@@ -272,9 +272,16 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
             raise ValueError(f"{cls.family} from_config: missing components {missing}, unknown {unknown}; "
                              f"expected {expected}")
         dtype = _dtype(torch_dtype)
+        previous = torch.get_default_dtype()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            modules = {name: cls.build_component(name, dict(values)) for name, values in components.items()}
+            # weights are created in their final dtype (a 2 x 14B Wan2.2 at float32 first would need 112 GB of host
+            # memory); float32 models, every test's, are built exactly as before
+            torch.set_default_dtype(dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
+            try:
+                modules = {name: cls.build_component(name, dict(values)) for name, values in components.items()}
+            finally:
+                torch.set_default_dtype(previous)
         for name, module in modules.items():
             if isinstance(module, nn.Module) and dtype != torch.float32:
                 modules[name] = module.to(dtype)
