@@ -207,3 +207,27 @@ def test_ti2v_first_frame_is_fixed_masked_and_decodes_to_the_image(wan22_ti2v_fo
     round_trip = gen.decode(gen.encode(image[None, None]))[0, 0]
     torch.testing.assert_close(video[0, 0], round_trip, atol=1e-5, rtol=0)
     assert (video[0, 0] - image).abs().max() <= (round_trip - image).abs().max() + 1e-5
+
+
+def test_ti2v_tree_rollout_keeps_the_first_frame_at_every_node(wan22_ti2v_folder, images):
+    """BranchGRPO's tree sampler carries the condition too: every node of every level holds the image's latent frame
+    0 bitwise, each edge's replayed log-prob (frame 0 left out) equals the sampling one, and a leaf regenerated alone
+    equals the tree's."""
+    from genrl.rollout.tree import TreeConfig, edge_log_prob, regenerate_leaf, tree_rollout
+
+    gen = _gen("wan22_ti2v", wan22_ti2v_folder)
+    prompts = [Prompt(TEXTS[0], images[32][0])]
+    config = RolloutConfig(num_steps=3, kernel="flow_grpo", cfg_scale=2.0, micro_batch_size=4)
+    tree = TreeConfig(split_steps=[0, 1], branch_factor=2)
+    with torch.no_grad():
+        out = tree_rollout(gen, prompts, gen.latent_shape, seed=1, config=config, tree=tree)
+        first = gen.encode_prompts(prompts).extras["first_frame"][0]
+        for level in out.latents:
+            assert all(torch.equal(node[:, :1], first) for node in level)
+        assert not torch.equal(out.latents[-1][0], out.latents[-1][1])  # the branches differ
+        step = 1
+        children = torch.arange(out.latents[step + 1].shape[0])
+        lp, _ = edge_log_prob(gen, out, step, children)
+        torch.testing.assert_close(lp, out.log_probs[step + 1][children], atol=1e-6, rtol=0)
+        leaf = regenerate_leaf(gen, prompts[0], gen.latent_shape, 1, 0, int(out.codes[-1][3]), config, tree)
+        torch.testing.assert_close(leaf, out.latents[-1][3], atol=1e-6, rtol=0)

@@ -29,7 +29,7 @@ import torch
 
 from genrl.flow.sde import StepOutput, sde_step, step_log_prob
 from genrl.noise import mix_seed, randn_per_sample
-from genrl.rollout.sampler import RolloutConfig, _encode, guided_velocity
+from genrl.rollout.sampler import RolloutConfig, _encode, fixed_latents, guided_velocity
 
 __all__ = ["TreeConfig", "TreeRollout", "tree_rollout", "edge_log_prob", "regenerate_leaf"]
 
@@ -200,26 +200,29 @@ def _node_index(tree_index: torch.Tensor, codes: torch.Tensor) -> list[int]:
 
 def _tree_step(config: RolloutConfig, tree: TreeConfig, k: int, stochastic: bool, x: torch.Tensor,
                v: torch.Tensor, sig32: torch.Tensor, sigma_at_one: float | None, latent_shape: Sequence[int],
-               seed: int, tree_index: torch.Tensor, codes: torch.Tensor) -> tuple[StepOutput, float]:
+               seed: int, tree_index: torch.Tensor, codes: torch.Tensor,
+               keep: torch.Tensor | None = None) -> tuple[StepOutput, float]:
     """Step k of the nodes x [N, *latent] (velocities v, the parents' rows repeated per child) into their
     children, whose noise is addressed by (seed, tree_index [N], codes [N], step k + 1); shared by
-    :func:`tree_rollout` and :func:`regenerate_leaf` so both draw and scale the noise alike.
+    :func:`tree_rollout` and :func:`regenerate_leaf` so both draw and scale the noise alike. ``keep``: the sampled
+    elements per row (None: all; a given conditioning frame stays as it is, :func:`~genrl.rollout.sampler.
+    fixed_latents`).
 
     Returns:
         (the step's output, the std scale of its log-prob: kappa at split steps, 1 on other steps, on
         deterministic steps and at split steps under ``reference_split_log_prob``).
     """
     if not stochastic:
-        return sde_step("ode", x, v, sig32[k], sig32[k + 1], None), 1.0
+        return sde_step("ode", x, v, sig32[k], sig32[k + 1], None, keep=keep), 1.0
     noise = randn_per_sample(latent_shape, seed, _node_index(tree_index, codes), step=k + 1, device=x.device,
                              backend=config.noise_backend)
     split = k in tree.split_steps
     scale = tree.split_noise_scale if split else 1.0
     if split and tree.reference_split_log_prob:  # the reference code: sample with kappa s, score with s
         return sde_step(config.kernel, x, v, sig32[k], sig32[k + 1], noise * scale, noise_level=config.noise_level,
-                        sigma_at_one=sigma_at_one), 1.0
+                        sigma_at_one=sigma_at_one, keep=keep), 1.0
     return sde_step(config.kernel, x, v, sig32[k], sig32[k + 1], noise, noise_level=config.noise_level,
-                    sigma_at_one=sigma_at_one, std_scale=scale), scale
+                    sigma_at_one=sigma_at_one, std_scale=scale, keep=keep), scale
 
 
 def tree_rollout(
@@ -266,6 +269,11 @@ def tree_rollout(
     with torch.no_grad():
         cond_t, uncond_t = _encode(generator, list(prompts), config)
         x = randn_per_sample(latent_shape, seed, idx, step=0, device=device, backend=config.noise_backend)
+        fixed = fixed_latents(generator, cond_t)  # a given first frame (image-to-video): per tree
+        keep_t = None
+        if fixed is not None:
+            keep_t = fixed[1]
+            x = torch.where(keep_t, x, fixed[0].to(x.dtype))
         node_tree = torch.arange(p)
         codes = torch.zeros(p, dtype=torch.long)
         latents, parents, trees, all_codes, log_probs = [x.cpu()], [torch.zeros(0, dtype=torch.long)], [node_tree], \
@@ -289,7 +297,8 @@ def tree_rollout(
             child_codes = codes.repeat_interleave(f) * f + torch.arange(f).repeat(n) if f > 1 else codes.clone()
             xp, vp = x[par.to(device)], v[par.to(device)]
             out, std_scale = _tree_step(config, tree, k, bool(mask[k]), xp, vp, sig32, sigma_at_one, latent_shape,
-                                        seed, idx[child_tree], child_codes)
+                                        seed, idx[child_tree], child_codes,
+                                        None if keep_t is None else keep_t[child_tree.to(keep_t.device)])
             std_scales.append(std_scale)
             if k == config.num_steps - 1:
                 x0 = (xp - sig32[k] * vp).float().cpu()
@@ -334,9 +343,10 @@ def edge_log_prob(
     v = guided_velocity(generator, x, sig32[step].expand(x.shape[0]), cond, uncond, config.cfg_scale,
                         config.micro_batch_size, config.batching)
     sigma_at_one = config.sigma_at_one(rollout.sigmas)
+    fixed = fixed_latents(generator, cond)
     lp, _, _ = step_log_prob(config.kernel, x, v, sig32[step], sig32[step + 1], sample,
                              noise_level=config.noise_level, sigma_at_one=sigma_at_one,
-                             std_scale=rollout.std_scales[step])
+                             std_scale=rollout.std_scales[step], keep=None if fixed is None else fixed[1])
     return lp, v
 
 
@@ -366,11 +376,15 @@ def regenerate_leaf(
     with torch.no_grad():
         cond, uncond = _encode(generator, [prompt], config)
         x = randn_per_sample(latent_shape, seed, [tree_index], step=0, device=device, backend=config.noise_backend)
+        fixed = fixed_latents(generator, cond)
+        keep = None if fixed is None else fixed[1]
+        if fixed is not None:
+            x = torch.where(keep, x, fixed[0].to(x.dtype))
         for k in range(config.num_steps):
             v = guided_velocity(generator, x, sig32[k].expand(1), cond, uncond, config.cfg_scale,
                                 config.micro_batch_size, config.batching)
             done = sum(1 for s in tree.split_steps if s <= k)
             code = int(leaf_code) // f ** (n_splits - done)
             x = _tree_step(config, tree, k, bool(mask[k]), x, v, sig32, sigma_at_one, latent_shape, seed,
-                           torch.tensor([tree_index]), torch.tensor([code]))[0].sample
+                           torch.tensor([tree_index]), torch.tensor([code]), keep)[0].sample
     return x[0]
