@@ -213,18 +213,19 @@ def test_wan22_and_i2v_configs_train_on_tiny_components(tiny, configs, images, t
         assert cond.extras  # the image condition travels with the prompt
 
 
-def _tiny_wan_dmd(**init_args) -> dict:
-    """Overrides of configs/dmd/wan2.1_t2v_1.3b.yaml: tiny random Wan student / teacher / critic, 2 latent frames,
-    2 iterations on the CPU (plus ``init_args`` for the model)."""
+def _tiny_wan_dmd(tiny: str = "wan", **init_args) -> dict:
+    """Overrides of configs/dmd/wan2.1_t2v_1.3b.yaml: tiny random Wan student / teacher / critic (the ``tiny`` layout
+    of :data:`genrl.testing.families.TINY`), 2 latent frames, 2 iterations on the CPU (plus ``init_args`` for the
+    model)."""
     from genrl.testing.families import TINY, tiny_generator_spec
 
     tiny_transformer = {"model_class": "diffusers.WanTransformer3DModel", "pretrained": None, "subfolder": None,
-                        "dtype": None, "config": TINY["wan"]["transformer"]}
+                        "dtype": None, "config": TINY[tiny]["transformer"]}
     return {
         "trainer": {"accelerator": "cpu", "precision": "32-true", "max_steps": 2, "limit_val_batches": 0,
                     "enable_progress_bar": False, "logger": False, "callbacks": []},
         "model": {"init_args": {
-            "generator": tiny_generator_spec("wan"),
+            "generator": tiny_generator_spec(tiny),
             "teacher": tiny_transformer, "critic": tiny_transformer,
             "num_frames": 2, "schedule": {"causal": {"chunk_size": 1}, "timesteps": [1000, 500]},
             "critic_updates_per_generator_update": 2, "grad_window_frames": None,
@@ -233,16 +234,21 @@ def _tiny_wan_dmd(**init_args) -> dict:
     }
 
 
-def test_wan_dmd_config_trains_on_tiny_components(tmp_path, monkeypatch):
-    """configs/dmd/wan2.1_t2v_1.3b.yaml with its weights swapped for tiny random ones: the causal Wan student,
-    the teacher and the critic transformers train through the real CLI (student and critic change)."""
+@pytest.mark.parametrize("tiny,configs,frame", [
+    ("wan", ["configs/dmd/wan2.1_t2v_1.3b.yaml"], (16, 2, 2)),
+    ("wan22_ti2v", ["configs/dmd/wan2.1_t2v_1.3b.yaml", "configs/dmd/wan2.2_ti2v_5b.yaml"], (8, 2, 2)),
+], ids=["wan2.1", "wan2.2_ti2v_5b"])
+def test_wan_dmd_config_trains_on_tiny_components(tiny, configs, frame, tmp_path, monkeypatch):
+    """The Wan DMD (Self-Forcing) recipes with their weights swapped for tiny random ones: the causal Wan student
+    (Wan2.1, or Wan2.2-TI2V-5B's layout: the 16x VAE, 48 channels, a timestep per token), the teacher and the critic
+    transformers train through the real CLI (student and critic change)."""
     monkeypatch.chdir(tmp_path)
-    override = _tiny_wan_dmd()
+    override = _tiny_wan_dmd(tiny)
     (tmp_path / "tiny.yaml").write_text(json.dumps(override))
-    cli = _cli(["--config", str(ROOT / "configs/dmd/wan2.1_t2v_1.3b.yaml"), "--config", str(tmp_path / "tiny.yaml")],
+    cli = _cli([a for c in configs for a in ("--config", str(ROOT / c))] + ["--config", str(tmp_path / "tiny.yaml")],
                run=False)
     cli.model.configure_model()
-    assert cli.model.frame_shape == (16, 2, 2)
+    assert cli.model.frame_shape == frame
     before = {n: p.detach().clone() for n, p in cli.model.named_parameters()}
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if not torch.equal(before[n], p.detach())}
