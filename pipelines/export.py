@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             if kind == "dit":
                 gen.transformer.save_pretrained(str(tmp))
             else:
-                gen.pipeline.transformer = gen.transformer
-                gen.save_pretrained(tmp)
+                gen.save_pretrained(tmp)  # the adapter's denoiser in the pipeline's slot(s) (both Wan2.2 experts)
         ema = bool(gen.load_info["ema"])
         info = dict(source=str(args.model), mode=mode, kind=kind, lora=lora, lora_merged=lora and mode == "full",
                     ema=ema, dtype=args.dtype, sampling=gen.load_info.get("sampling"))

@@ -134,3 +134,26 @@ def test_fsdp_blocks_export_and_bad_options(wan22_folder, tmp_path):
                                       **TINY_SIZE["wan"]))
     with pytest.raises(ValueError, match="experts=\\['middle'\\]"):
         _gen(wan22_folder, experts=["middle"])
+
+
+def test_full_export_merges_both_experts_and_samples_like_the_adapter(wan22_folder, tmp_path):
+    """The export's full mode (fuse_lora, unload_lora, save_pretrained) writes both merged experts into the pipeline's
+    transformer/ and transformer_2/ slots: WanPipeline loads the folder and samples like genrl's LoRA model."""
+    from diffusers import WanPipeline
+
+    model, _, _ = grpo_two_steps("wan22", wan22_folder, lora=dict(rank=4, alpha=8, init_lora_weights=True))
+    gen = model.generator.eval()
+    steps = 3
+    config = RolloutConfig(num_steps=steps, kernel="ode", shift=3.0, micro_batch_size=2)
+    with_lora = rollout(gen, PROMPTS, gen.latent_shape, seed=2, config=config, record=False).final
+    gen.transformer.fuse_lora(lora_scale=1.0)
+    gen.transformer.unload_lora()
+    assert not any("lora_" in n for n, _ in gen.transformer.named_parameters())
+    gen.save_pretrained(tmp_path / "full")
+    pipe = WanPipeline.from_pretrained(str(tmp_path / "full"), local_files_only=True)
+    pipe.scheduler.set_timesteps(steps)
+    reloaded = build_generator(GeneratorSpec(family="wan22", pretrained=str(tmp_path / "full"),
+                                             **TINY_SIZE["wan22"])).eval()
+    again = rollout(reloaded, PROMPTS, gen.latent_shape, seed=2, config=config, record=False).final
+    torch.testing.assert_close(again, with_lora, atol=1e-4, rtol=1e-4)
+    assert pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.875

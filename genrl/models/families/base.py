@@ -312,6 +312,7 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
     def save_pretrained(self, folder: str | Path, safe_serialization: bool = True) -> Path:
         """Write the whole pipeline (transformer included) as a diffusers folder that
         ``<Family>Pipeline.from_pretrained(folder)`` and :meth:`from_pretrained` load."""
+        self._bind_pipeline()
         self.pipeline.save_pretrained(str(folder), safe_serialization=safe_serialization)
         return Path(folder)
 
@@ -483,9 +484,14 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
 
     def to_pipeline(self):
         """The diffusers pipeline sharing this adapter's modules (for inference with diffusers' own loop)."""
-        self.pipeline.transformer = self.transformer
+        self._bind_pipeline()
         self._frozen_to_device(("vae", *self.text_encoder_names))
         return self.pipeline
+
+    def _bind_pipeline(self) -> None:
+        """Put this adapter's denoiser (possibly replaced since the build: an export, a compiled or merged copy) in the
+        pipeline's slot(s)."""
+        self.pipeline.transformer = self.transformer
 
 
 def dynamic_shift_mu(scheduler, seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float,

@@ -115,12 +115,12 @@ class WanGenerator(DiffusersGenerator):
                 self._write_lora(expert, Path(folder) if name == "high" else Path(folder) / child)
         return Path(folder)
 
-    def to_pipeline(self):
-        """The diffusers pipeline sharing this adapter's modules (the two experts in their own slots)."""
-        pipe = super().to_pipeline()
-        if self.experts is not None:
-            pipe.transformer, pipe.transformer_2 = self.experts.transformer, self.experts.transformer_2
-        return pipe
+    def _bind_pipeline(self) -> None:
+        """The denoiser in the pipeline's slot; with two experts, each in its own (``transformer``,
+        ``transformer_2``)."""
+        if self.experts is None:
+            return super()._bind_pipeline()
+        self.pipeline.transformer, self.pipeline.transformer_2 = self.experts.transformer, self.experts.transformer_2
 
     @property
     def _scales(self) -> tuple[int, int]:

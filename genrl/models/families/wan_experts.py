@@ -126,6 +126,21 @@ class WanExperts(nn.Module):
     def is_gradient_checkpointing(self) -> bool:
         return self.transformer.is_gradient_checkpointing and self.transformer_2.is_gradient_checkpointing
 
+    def fuse_lora(self, lora_scale: float = 1.0, **kwargs) -> None:
+        """Merge each adapted expert's LoRA into its base weights (an export's full mode)."""
+        for expert in self._adapted():
+            expert.fuse_lora(lora_scale=lora_scale, **kwargs)
+
+    def unload_lora(self) -> None:
+        """Remove the LoRA layers of each adapted expert."""
+        for expert in self._adapted():
+            expert.unload_lora()
+
+    def _adapted(self) -> Iterator[nn.Module]:
+        for expert in (self.transformer, self.transformer_2):
+            if getattr(expert, "_hf_peft_config_loaded", False):
+                yield expert
+
     def enable_gradient_checkpointing(self, *args, **kwargs) -> None:
         for expert in (self.transformer, self.transformer_2):
             expert.enable_gradient_checkpointing(*args, **kwargs)
