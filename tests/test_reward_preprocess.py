@@ -62,3 +62,27 @@ def test_image_reward_scores_the_chosen_frames_and_reduces():
     assert torch.allclose(_Red(frames={"frames": "last"})(video, ["a", "b"])["reward"], torch.full((2,), 0.4))
     sal = _Red(frames={"frames": "last"}).saliency(video, ["a", "b"])["reward"]
     assert sal.shape == (2, 5, 4, 4) and sal[:, :4].abs().sum() == 0 and (sal[:, 4] > 0).all()
+
+
+def test_skip_first_scores_the_continuation_and_keeps_advantages():
+    """skip_first leaves the given first frame of image-to-video out: indices shift past it, a group whose frame 0
+    is one constant image gets the same std-normalised advantages whatever that image is (and the same rewards),
+    and a video with no frame left is refused."""
+    from genrl.flow.policy import group_advantages
+
+    assert select_frames(5, 1, FramePolicy("all", skip_first=1)).tolist() == [[1, 2, 3, 4]]
+    assert select_frames(9, 1, FramePolicy("stride", stride=4, skip_first=1)).tolist() == [[1, 5]]
+    assert select_frames(5, 1, FramePolicy("first", skip_first=2)).tolist() == [[2]]
+    g = torch.Generator().manual_seed(0)
+    group = torch.rand(4, 5, 3, 4, 4, generator=g)
+    reward = _Red(frames={"skip_first": 1})
+    scores = []
+    for first in (0.0, 1.0):  # two different (constant within the group) first frames
+        videos = group.clone()
+        videos[:, 0] = first
+        scores.append(reward(videos, ["a"] * 4)["reward"])
+    torch.testing.assert_close(scores[0], scores[1], atol=0, rtol=0)
+    adv = group_advantages(scores[0], torch.zeros(4, dtype=torch.long))
+    assert torch.isfinite(adv).all() and adv.abs().sum() > 0
+    with pytest.raises(ValueError, match="skip_first=5 leaves none"):
+        _Red(frames={"skip_first": 5})(group, ["a"] * 4)

@@ -11,7 +11,7 @@ min). An image is a one-frame video, so the same class scores images and videos.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -35,6 +35,9 @@ class FramePolicy:
         stride: step for ``"stride"``.
         reduce: ``"mean"`` or ``"min"`` over the scored frames.
         seed: seed of the ``"random"`` draws.
+        skip_first: leave out the first k frames before the policy applies (image-to-video: the given first frame is
+            nearly the same in every video of a group, so scoring it dilutes the group's spread; 1 scores the
+            continuation only). Raises at scoring time when a video has no frame left.
     """
 
     frames: Literal["all", "random", "stride", "first", "middle", "last"] = "all"
@@ -42,6 +45,7 @@ class FramePolicy:
     stride: int = 4
     reduce: Literal["mean", "min"] = "mean"
     seed: int = 0
+    skip_first: int = 0
 
     def __post_init__(self) -> None:
         if self.frames not in ("all", "random", "stride", "first", "middle", "last"):
@@ -50,14 +54,25 @@ class FramePolicy:
             raise ValueError(f"unknown frame reduction {self.reduce!r}; use mean or min")
         if self.num_frames < 1 or self.stride < 1:
             raise ValueError(f"num_frames and stride must be >= 1, got {self.num_frames}, {self.stride}")
+        if self.skip_first < 0:
+            raise ValueError(f"skip_first must be >= 0, got {self.skip_first}")
 
 
 def select_frames(num_frames: int, batch: int, policy: FramePolicy, call: int = 0) -> Tensor:
     """Frame indices int64 [B, k] that ``policy`` scores in videos of ``num_frames`` frames.
 
     ``"random"`` draws k distinct frames per video from ``(policy.seed, call, video)``; every other policy
-    gives the same indices to every video.
+    gives the same indices to every video. ``policy.skip_first`` = s applies the policy to frames s .. T - 1.
+
+    Raises:
+        ValueError: ``skip_first`` leaves no frame.
     """
+    s = policy.skip_first
+    if s:
+        if num_frames <= s:
+            raise ValueError(f"frames policy skip_first={s} leaves none of the {num_frames} frames to score; lower "
+                             f"skip_first")
+        return select_frames(num_frames - s, batch, replace(policy, skip_first=0), call) + s
     t = num_frames
     if policy.frames == "all":
         idx = torch.arange(t)
