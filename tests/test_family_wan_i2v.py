@@ -124,8 +124,8 @@ def test_bad_images_are_refused_naming_the_value_and_rule(wan_i2v_folder, images
 
 def test_grpo_on_an_image_prompt_file_and_a_wrong_size_refused_before_loading(wan_i2v_folder, images, tmp_path,
                                                                              monkeypatch):
-    """GRPO trains Wan2.1-I2V with LoRA on a .jsonl of {prompt, image} lines; a file whose image has another size is
-    refused by configure_model before any weights are loaded."""
+    """GRPO trains Wan2.1-I2V with LoRA on a .jsonl of {prompt, image} lines; a file whose image has another size, and
+    a frame count that is not 4k + 1, are refused by configure_model before any weights are loaded."""
     lines = [{"prompt": t, "image": p} for t, p in zip(TEXTS, images[16], strict=True)]
     good = tmp_path / "i2v.jsonl"
     good.write_text("\n".join(json.dumps(x) for x in lines))
@@ -142,6 +142,8 @@ def test_grpo_on_an_image_prompt_file_and_a_wrong_size_refused_before_loading(wa
     monkeypatch.setattr(common, "build_generator", no_loading)
     with pytest.raises(ValueError, match="is 32x32"):
         grpo_two_steps("wan_i2v", wan_i2v_folder, train=str(bad), preconfigure=False)
+    with pytest.raises(ValueError, match="generator.frames 6: .* needs frames 4k\\+1 .*; use 5 or 9"):
+        grpo_two_steps("wan_i2v", wan_i2v_folder, train=str(good), preconfigure=False, num_frames=6)
 
 
 def test_ti2v_text_and_image_to_video_match_the_pipelines(wan22_ti2v_folder, images):

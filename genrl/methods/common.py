@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,14 +17,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from genrl.data import data_parallel_of
 from genrl.models.conditions import check_prompt_images
-from genrl.models.families import GeneratorSpec, build_generator
+from genrl.models.families import GeneratorSpec, build_generator, family_class
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
 from genrl.rewards import RewardManager
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["SHAPES_DIT", "Scorer", "advance_iteration", "backward_step", "build_policy", "build_student",
-           "check_data_images", "check_finite", "check_no_dropout", "clip_and_step", "configure_policy",
+           "check_before_loading", "check_finite", "check_no_dropout", "clip_and_step", "configure_policy",
            "configure_policy_optimizer",
            "default_latent_shape", "frame_shape_of", "gather_batch", "gather_objects", "linear_warmup",
            "local_mini_batch", "log_validation_rewards", "ode_validation_config", "policy_optimizer", "policy_spec",
@@ -335,7 +336,7 @@ def configure_policy(method: LightningModule, reference: bool = False, build=bui
     """
     if method.generator is not None:
         return None
-    check_data_images(method)
+    check_before_loading(method)
     generator = build(method.generator_spec, method.hparams.get("lora"))
     method.latent_shape = default_latent_shape(generator, method.latent_shape)
     method.roles.trainable("generator", generator)
@@ -345,18 +346,29 @@ def configure_policy(method: LightningModule, reference: bool = False, build=bui
     return generator
 
 
-def check_data_images(method: LightningModule) -> None:
-    """Before the generator loads: the image-to-video prompts of the trainer's datamodule (its ``train_records`` and
-    ``val_batches()``, when it has them) have images of the generator's height x width
-    (:func:`genrl.models.conditions.check_prompt_images`); nothing to check without a trainer or images.
+def check_before_loading(method: LightningModule) -> None:
+    """What can be refused before a diffusers family's weights load: the sample size against the folder's rules
+    (:func:`genrl.models.loading.check_sample_size`: height / width multiples, a video's frame count such as Wan's
+    4k + 1), and the image-to-video prompts of the trainer's datamodule (its ``train_records`` and ``val_batches()``,
+    when it has them): each image exists and has the generator's height x width
+    (:func:`genrl.models.conditions.check_prompt_images`). Nothing to check for genrl's DiT, a spec without a local
+    folder, or without a trainer / images.
 
     Raises:
-        FileNotFoundError, ValueError: a missing image or one of another size (names it, the rule and the fix).
+        FileNotFoundError, ValueError: names the bad value (a size, a frame count, an image), the rule and the fix.
     """
+    spec = method.generator_spec
+    if not isinstance(spec, GeneratorSpec) or spec.family == "dit":
+        return
+    if spec.pretrained is not None and Path(spec.pretrained).expanduser().is_dir():
+        from genrl.models.loading import check_sample_size
+
+        video = family_class(spec.family).is_video
+        check_sample_size(spec.pretrained, spec.height, spec.width, spec.num_frames if video else None,
+                          flag="generator.")
     trainer = trainer_of(method)
     dm = getattr(trainer, "datamodule", None) if trainer is not None else None
-    spec = method.generator_spec
-    if dm is None or not isinstance(spec, GeneratorSpec) or spec.family == "dit":
+    if dm is None:
         return
     prompts = [r.prompt for r in getattr(dm, "train_records", None) or []]
     if hasattr(dm, "val_batches"):
