@@ -233,3 +233,20 @@ def test_ti2v_tree_rollout_keeps_the_first_frame_at_every_node(wan22_ti2v_folder
         torch.testing.assert_close(lp, out.log_probs[step + 1][children], atol=1e-6, rtol=0)
         leaf = regenerate_leaf(gen, prompts[0], gen.latent_shape, 1, 0, int(out.codes[-1][3]), config, tree)
         torch.testing.assert_close(leaf, out.latents[-1][3], atol=1e-6, rtol=0)
+
+
+def test_one_caption_with_two_images_never_shares_a_cache_entry(wan_i2v_folder, images, tmp_path, monkeypatch):
+    """The same caption with two first frames: two encodings in memory and on disk; a fresh process (the disk cache)
+    serves each its own condition without running an encoder; prompts compare by caption and image."""
+    spec = GeneratorSpec(family="wan_i2v", pretrained=str(wan_i2v_folder), prompt_cache_dir=str(tmp_path / "cache"),
+                         **TINY_SIZE["wan_i2v"])
+    prompts = [Prompt(TEXTS[0], images[16][0]), Prompt(TEXTS[0], images[16][1])]
+    assert prompts[0] != prompts[1] and prompts[0] == Prompt(TEXTS[0], images[16][0]) and prompts[0] != TEXTS[0]
+    first = build_generator(spec).encode_prompts(prompts)
+    assert not torch.equal(first.extras["condition"][0], first.extras["condition"][1])
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 2
+    fresh = build_generator(spec)
+    monkeypatch.setattr(fresh, "_encode_uncached", lambda *a: pytest.fail("an encoder ran"))
+    again = fresh.encode_prompts(prompts[::-1])
+    for key in ("condition", "image_embeds"):
+        assert torch.equal(again.extras[key], first.extras[key].flip(0))

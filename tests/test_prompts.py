@@ -260,3 +260,27 @@ def test_vbench_dimension_source_selects_the_prompts_tagged_with_it():
     assert len(load_prompts("vbench:temporal_flickering")) == 75
     with pytest.raises(ValueError, match="no VBench prompts for dimension 'flicker'.*temporal_flickering"):
         load_prompts("vbench:flicker")
+
+
+def test_image_lines_make_image_prompts_relative_to_the_file(tmp_path, monkeypatch):
+    """A .jsonl / .json line with an ``image`` is a Prompt carrying that file, a relative path taken from the prompt
+    file's folder (not the working directory); lines without one stay plain strings; a non-string image is refused."""
+    from genrl.data.prompts import PromptStream
+    from genrl.models.conditions import Prompt, prompt_image
+
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    (folder / "i2v.jsonl").write_text('{"prompt": "a car", "image": "frames/car.png"}\n{"prompt": "a dog"}\n'
+                                      '{"prompt": "a cat", "image": "/abs/cat.png"}\n')
+    monkeypatch.chdir(tmp_path)
+    recs = load_prompts(str(folder / "i2v.jsonl"))
+    assert isinstance(recs[0].prompt, Prompt) and recs[0].prompt == Prompt("a car", str(folder / "frames/car.png"))
+    assert prompt_image(recs[0].prompt) == str(folder / "frames" / "car.png") and recs[0].metadata["image"]
+    assert type(recs[1].prompt) is str and prompt_image(recs[2].prompt) == "/abs/cat.png"
+    (folder / "list.json").write_text('[{"prompt": "a car", "image": "car.png"}]')
+    assert prompt_image(load_prompts(str(folder / "list.json"))[0].prompt) == str(folder / "car.png")
+    batch = PromptStream(recs, 3, 2, 0, False, 0, 1).batch(0)  # a group repeats the Prompt object, image included
+    assert [prompt_image(p) for p in batch["prompts"][:2]] == [str(folder / "frames/car.png")] * 2
+    (folder / "bad.jsonl").write_text('{"prompt": "a car", "image": 3}\n')
+    with pytest.raises(ValueError, match="image=3; give a file path"):
+        load_prompts(str(folder / "bad.jsonl"))
