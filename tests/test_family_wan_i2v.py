@@ -204,6 +204,9 @@ def test_ti2v_first_frame_is_fixed_masked_and_decodes_to_the_image(wan22_ti2v_fo
             moved.latents[0, :, :, :1] += 3.0  # frame 0 of input and sample
             lp_moved, _, _ = transition_log_prob(gen, moved, k)
             torch.testing.assert_close(lp_moved[0], lp[0], atol=1e-6, rtol=0)
+    with torch.no_grad():  # the given frame's velocity is 0, so its x0 = x - sigma v is the image's latent at any sigma
+        v = gen.velocity(traj.latents[:, 1].clone(), torch.tensor([0.7, 0.7]), cond)
+    assert not v[0, :, :1].any() and v[1, :, :1].abs().sum() > 0 and v[0, :, 1:].abs().sum() > 0
     video = gen.decode(traj.final[:1])
     image = torch.from_numpy(np.asarray(Image.open(images[32][0]), dtype=np.float32) / 255).permute(2, 0, 1)
     round_trip = gen.decode(gen.encode(image[None, None]))[0, 0]
