@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from genrl.models.families.base import DiffusersGenerator
 from genrl.models.families.flux import FLUX_SCHEDULER
 
-__all__ = ["Flux2Generator", "FLUX2_LORA_TARGETS", "CHAT_TEMPLATES", "chat_tokenizer", "pack", "unpack",
+__all__ = ["Flux2Generator", "Flux2Layout", "FLUX2_LORA_TARGETS", "CHAT_TEMPLATES", "chat_tokenizer", "pack", "unpack",
            "flux2_velocity", "flux2_decode", "flux2_encode", "flux2_latent_shape", "flux2_shift", "vae_latents"]
 
 #: LoRA targets: the double-stream blocks' attention (image and text streams) and feed-forwards, and the
@@ -193,65 +193,54 @@ def flux2_encode(gen: DiffusersGenerator, pixels: torch.Tensor) -> torch.Tensor:
     return ((z - mean) / std).to(gen.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------- the adapter
-class Flux2Generator(DiffusersGenerator):
-    """FLUX.2 [dev] (and fine-tunes in the diffusers layout) behind the Generator protocol.
-
-    Prompts go through the pipeline's own ``encode_prompt`` (the chat template with the pipeline's system message,
-    padded / truncated to ``max_sequence_length`` tokens, hidden states of ``text_encoder_out_layers`` stacked):
-    ``hidden_states`` [B, L, 3 D] (15360 features released); ``attention_mask`` [B, L] marks the real tokens (FLUX.2
-    attends to every token, padding included, as the pipeline does). No pooled vector.
-
-    ``velocity`` / ``decode`` / ``encode``: :func:`flux2_velocity`, :func:`flux2_decode`, :func:`flux2_encode`.
-    Guidance: ``guidance_scale`` is FLUX.2 [dev]'s *distilled* guidance, an input embedding of every velocity call
-    (Flux2Pipeline's default 4.0); the pipeline has no true CFG, so the sampler's ``cfg_scale`` stays 1.
-
-    Schedule shift: the pipeline's shift depends on the image tokens and the step count (:func:`flux2_shift`);
-    :meth:`shift_for_steps` gives it, :attr:`default_shift_for_size` at ``schedule_steps`` steps. Set
-    ``RolloutConfig.shift`` to it (the class attribute :attr:`default_shift` 3.0 is only the scheduler's static value).
-
-    Left out: prompt upsampling (``caption_upsample_temperature``) and reference-image editing (``image``).
+# ---------------------------------------------------------------------------------------------------- the adapters
+class Flux2Layout(DiffusersGenerator):
+    """What FLUX.2 [dev] and [klein] share (their transformer, VAE and latent layout): sizes, the step-dependent
+    schedule shift, stacked text layers in the prompt cache key, velocity / decode / encode (:func:`flux2_velocity`,
+    :func:`flux2_decode`, :func:`flux2_encode`). Subclasses set the family attributes, ``_encode_uncached`` and
+    :attr:`embedded_guidance` (the guidance-embedding input of every velocity call).
 
     Args:
-        pipeline: a ``diffusers.Flux2Pipeline``.
-        height, width: image size in pixels, multiples of 2 x the VAE factor (16 released).
-        guidance_scale: distilled-guidance value (default 4.0, the model card's).
-        text_encoder_out_layers: hidden-state indices stacked per token (default (10, 20, 30), the pipeline's).
-        schedule_steps: step count of :attr:`default_shift_for_size` (default 50, the pipeline's default).
+        pipeline, height, width, num_frames: as :class:`DiffusersGenerator` (height, width: multiples of 2 x the VAE
+            factor, 16 released).
+        text_encoder_out_layers: hidden-state indices stacked per token.
+        schedule_steps: step count of :attr:`default_shift_for_size` (None: :attr:`default_schedule_steps`).
         **kwargs: :class:`~genrl.models.families.base.DiffusersGenerator` keywords (max_sequence_length, ...).
     Raises:
         ValueError: see :func:`flux2_latent_shape` (sizes) and :func:`flux2_velocity` (inputs).
     """
 
-    family: ClassVar[str] = "flux2"
-    pipeline_class: ClassVar[str] = "diffusers.Flux2Pipeline"
-    components: ClassVar[dict[str, str]] = {"transformer": "model", "vae": "model", "text_encoder": "model",
-                                            "tokenizer": "tokenizer", "scheduler": "scheduler"}
     lora_target_modules: ClassVar[list[str]] = FLUX2_LORA_TARGETS
     text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
     default_max_sequence_length: ClassVar[int] = 512
     default_shift: ClassVar[float] = 3.0
     is_video: ClassVar[bool] = False
-    component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {
-        "transformer": ("diffusers.Flux2Transformer2DModel", None), "vae": ("diffusers.AutoencoderKLFlux2", None),
-        "text_encoder": ("transformers.Mistral3ForConditionalGeneration", "transformers.Mistral3Config"),
-        "tokenizer": ("genrl.models.families.flux2.chat_tokenizer", None),
-    }
+    #: the guidance-embedding value of every velocity call (FLUX.2 [dev]: its distilled guidance; 1.0 otherwise).
+    embedded_guidance: float = 1.0
 
-    def __init__(self, pipeline, height: int, width: int, num_frames: int = 1, *, guidance_scale: float = 4.0,
-                 text_encoder_out_layers: tuple[int, ...] | list[int] = (10, 20, 30), schedule_steps: int = 50,
-                 **kwargs) -> None:
+    def __init__(self, pipeline, height: int, width: int, num_frames: int = 1, *,
+                 text_encoder_out_layers: tuple[int, ...] | list[int] = (10, 20, 30),
+                 schedule_steps: int | None = None, **kwargs) -> None:
         super().__init__(pipeline, height, width, num_frames=num_frames, **kwargs)
-        self.guidance_scale = float(guidance_scale)
         self.text_encoder_out_layers = tuple(int(i) for i in text_encoder_out_layers)
-        self.schedule_steps = int(schedule_steps)
+        self._schedule_steps = schedule_steps
 
     @classmethod
     def from_config(cls, components: dict[str, dict[str, Any]], scheduler: dict[str, Any] | None = None,
-                    **kwargs) -> Flux2Generator:
-        """:meth:`DiffusersGenerator.from_config` with FLUX.2-dev's scheduler values (dynamic shifting on; its
+                    **kwargs) -> Flux2Layout:
+        """:meth:`DiffusersGenerator.from_config` with FLUX.2's scheduler values (dynamic shifting on; its
         ``scheduler_config.json`` holds the same values as FLUX.1-dev's) as defaults."""
         return super().from_config(components, scheduler=FLUX_SCHEDULER | dict(scheduler or {}), **kwargs)
+
+    @property
+    def default_schedule_steps(self) -> int:
+        """Step count of :attr:`default_shift_for_size` when none is given (50, the pipelines' default)."""
+        return 50
+
+    @property
+    def schedule_steps(self) -> int:
+        """Step count of :attr:`default_shift_for_size`: the constructor's, else :attr:`default_schedule_steps`."""
+        return int(self._schedule_steps or self.default_schedule_steps)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -264,16 +253,76 @@ class Flux2Generator(DiffusersGenerator):
         return self.latent_shape[1] * self.latent_shape[2]
 
     def shift_for_steps(self, num_steps: int) -> float:
-        """The shift ``Flux2Pipeline`` uses at this size for ``num_steps`` steps (:func:`flux2_shift`)."""
+        """The shift the FLUX.2 pipelines use at this size for ``num_steps`` steps (:func:`flux2_shift`)."""
         return flux2_shift(self.pipeline.scheduler.config, self.image_seq_len, num_steps)
 
     @property
     def default_shift_for_size(self) -> float:
-        """:meth:`shift_for_steps` at ``schedule_steps`` steps (7.56 at 1024x1024 and 50 steps)."""
+        """:meth:`shift_for_steps` at ``schedule_steps`` steps (1024x1024: 9.89 at 4 steps, 7.56 at 50)."""
         return self.shift_for_steps(self.schedule_steps)
 
     def _cache_key(self, prompt: str) -> str:  # the stacked layers change the embedding: part of the key
         return super()._cache_key(prompt) + "-" + "-".join(map(str, self.text_encoder_out_layers))
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond, **kwargs) -> torch.Tensor:
+        """Velocity [B, 4C, h, w] at latents x [B, 4C, h, w] and sigma [B] (or [B, 1]) in [0, 1]
+        (:func:`flux2_velocity` with :attr:`embedded_guidance`)."""
+        return flux2_velocity(self, x, sigma, cond, self.embedded_guidance)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents [B, 4C, h, w] -> pixels float32 [B, 1, 3, H, W] in [0, 1] (:func:`flux2_decode`)."""
+        return flux2_decode(self, latents)
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, 1, 3, H, W] in [0, 1] -> latents [B, 4C, h, w] (:func:`flux2_encode`)."""
+        return flux2_encode(self, pixels)
+
+
+class Flux2Generator(Flux2Layout):
+    """FLUX.2 [dev] (and fine-tunes in the diffusers layout) behind the Generator protocol.
+
+    Prompts go through the pipeline's own ``encode_prompt`` (the chat template with the pipeline's system message,
+    padded / truncated to ``max_sequence_length`` tokens, hidden states of ``text_encoder_out_layers`` stacked):
+    ``hidden_states`` [B, L, 3 D] (15360 features released); ``attention_mask`` [B, L] marks the real tokens (FLUX.2
+    attends to every token, padding included, as the pipeline does). No pooled vector.
+
+    Guidance: ``guidance_scale`` is FLUX.2 [dev]'s *distilled* guidance, an input embedding of every velocity call
+    (Flux2Pipeline's default 4.0); the pipeline has no true CFG, so the sampler's ``cfg_scale`` stays 1.
+
+    Schedule shift: the pipeline's shift depends on the image tokens and the step count (:func:`flux2_shift`);
+    :meth:`shift_for_steps` gives it, :attr:`default_shift_for_size` at ``schedule_steps`` steps (default 50). Set
+    ``RolloutConfig.shift`` to it (the class attribute :attr:`default_shift` 3.0 is only the scheduler's static value).
+
+    Left out: prompt upsampling (``caption_upsample_temperature``) and reference-image editing (``image``).
+
+    Args:
+        pipeline: a ``diffusers.Flux2Pipeline``.
+        guidance_scale: distilled-guidance value (default 4.0, the model card's).
+        text_encoder_out_layers: default (10, 20, 30), the pipeline's.
+        Others: as :class:`Flux2Layout`.
+    """
+
+    family: ClassVar[str] = "flux2"
+    pipeline_class: ClassVar[str] = "diffusers.Flux2Pipeline"
+    components: ClassVar[dict[str, str]] = {"transformer": "model", "vae": "model", "text_encoder": "model",
+                                            "tokenizer": "tokenizer", "scheduler": "scheduler"}
+    component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {
+        "transformer": ("diffusers.Flux2Transformer2DModel", None), "vae": ("diffusers.AutoencoderKLFlux2", None),
+        "text_encoder": ("transformers.Mistral3ForConditionalGeneration", "transformers.Mistral3Config"),
+        "tokenizer": ("genrl.models.families.flux2.chat_tokenizer", None),
+    }
+
+    def __init__(self, pipeline, height: int, width: int, num_frames: int = 1, *, guidance_scale: float = 4.0,
+                 text_encoder_out_layers: tuple[int, ...] | list[int] = (10, 20, 30), schedule_steps: int = 50,
+                 **kwargs) -> None:
+        super().__init__(pipeline, height, width, num_frames=num_frames,
+                         text_encoder_out_layers=text_encoder_out_layers, schedule_steps=schedule_steps, **kwargs)
+        self.guidance_scale = float(guidance_scale)
+
+    @property
+    def embedded_guidance(self) -> float:
+        """FLUX.2 [dev]'s distilled guidance: :attr:`guidance_scale`."""
+        return self.guidance_scale
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         from diffusers.pipelines.flux2.pipeline_flux2 import format_input
@@ -286,16 +335,3 @@ class Flux2Generator(DiffusersGenerator):
             messages, add_generation_prompt=False, tokenize=True, return_dict=True, return_tensors="pt",
             padding="max_length", truncation=True, max_length=self.max_sequence_length)["attention_mask"]
         return {"hidden_states": embeds, "attention_mask": mask.bool()}
-
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond, **kwargs) -> torch.Tensor:
-        """Velocity [B, 4C, h, w] at latents x [B, 4C, h, w] and sigma [B] (or [B, 1]) in [0, 1]
-        (:func:`flux2_velocity` with :attr:`guidance_scale`)."""
-        return flux2_velocity(self, x, sigma, cond, self.guidance_scale)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """latents [B, 4C, h, w] -> pixels float32 [B, 1, 3, H, W] in [0, 1] (:func:`flux2_decode`)."""
-        return flux2_decode(self, latents)
-
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels [B, 1, 3, H, W] in [0, 1] -> latents [B, 4C, h, w] (:func:`flux2_encode`)."""
-        return flux2_encode(self, pixels)

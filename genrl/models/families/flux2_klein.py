@@ -20,21 +20,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from genrl.models.families.base import DiffusersGenerator
-from genrl.models.families.flux import FLUX_SCHEDULER
-from genrl.models.families.flux2 import (
-    FLUX2_LORA_TARGETS,
-    flux2_decode,
-    flux2_encode,
-    flux2_latent_shape,
-    flux2_shift,
-    flux2_velocity,
-)
+from genrl.models.families.flux2 import Flux2Layout
 
 __all__ = ["Flux2KleinGenerator"]
 
 
-class Flux2KleinGenerator(DiffusersGenerator):
+class Flux2KleinGenerator(Flux2Layout):
     """FLUX.2 [klein] (4B / 9B, distilled or Base, in the diffusers layout) behind the Generator protocol.
 
     Prompts go through the pipeline's own ``encode_prompt`` (the Qwen3 chat template of one user turn with
@@ -42,11 +33,11 @@ class Flux2KleinGenerator(DiffusersGenerator):
     stacked): ``hidden_states`` [B, L, 3 D]; ``attention_mask`` [B, L] marks the real tokens of the same
     tokenisation (the transformer attends to every token, as the pipeline does). No pooled vector.
 
-    ``velocity`` / ``decode`` / ``encode``: FLUX.2's :func:`~genrl.models.families.flux2.flux2_velocity` (no guidance
-    embedding), :func:`~genrl.models.families.flux2.flux2_decode`, :func:`~genrl.models.families.flux2.flux2_encode`.
-    Guidance: the Base models use true CFG, ``v_u + w (v_c - v_u)`` with the empty negative prompt, which is the
-    sampler's ``cfg_scale`` (w = 4, the pipeline's default) with ``null_prompt`` "" (its default); the distilled
-    models sample with ``cfg_scale`` 1 (the pipeline ignores guidance when ``is_distilled``).
+    ``velocity`` / ``decode`` / ``encode``: FLUX.2's (:class:`~genrl.models.families.flux2.Flux2Layout`; no guidance
+    embedding: a transformer that has one gets 1.0). Guidance: the Base models use true CFG, ``v_u + w (v_c - v_u)``
+    with the empty negative prompt, which is the sampler's ``cfg_scale`` (w = 4, the pipeline's default) with
+    ``null_prompt`` "" (its default); the distilled models sample with ``cfg_scale`` 1 (the pipeline ignores guidance
+    when ``is_distilled``).
 
     Schedule shift: as FLUX.2 [dev] (:meth:`shift_for_steps`; :attr:`default_shift_for_size` at ``schedule_steps``).
     Left out: reference-image editing (``image``) and the KV-cached editing pipeline.
@@ -59,19 +50,13 @@ class Flux2KleinGenerator(DiffusersGenerator):
             the model cards' steps).
         **kwargs: :class:`~genrl.models.families.base.DiffusersGenerator` keywords (max_sequence_length, ...).
     Raises:
-        ValueError: see :func:`~genrl.models.families.flux2.flux2_latent_shape` (sizes) and
-            :func:`~genrl.models.families.flux2.flux2_velocity` (inputs).
+        ValueError: as :class:`~genrl.models.families.flux2.Flux2Layout`.
     """
 
     family: ClassVar[str] = "flux2_klein"
     pipeline_class: ClassVar[str] = "diffusers.Flux2KleinPipeline"
     components: ClassVar[dict[str, str]] = {"transformer": "model", "vae": "model", "text_encoder": "model",
                                             "tokenizer": "tokenizer", "scheduler": "scheduler"}
-    lora_target_modules: ClassVar[list[str]] = FLUX2_LORA_TARGETS
-    text_encoder_names: ClassVar[tuple[str, ...]] = ("text_encoder",)
-    default_max_sequence_length: ClassVar[int] = 512
-    default_shift: ClassVar[float] = 3.0
-    is_video: ClassVar[bool] = False
     component_classes: ClassVar[dict[str, tuple[str, str | None]]] = {
         "transformer": ("diffusers.Flux2Transformer2DModel", None), "vae": ("diffusers.AutoencoderKLFlux2", None),
         "text_encoder": ("transformers.Qwen3ForCausalLM", "transformers.Qwen3Config"),
@@ -81,9 +66,8 @@ class Flux2KleinGenerator(DiffusersGenerator):
     def __init__(self, pipeline, height: int, width: int, num_frames: int = 1, *,
                  text_encoder_out_layers: tuple[int, ...] | list[int] = (9, 18, 27), schedule_steps: int | None = None,
                  **kwargs) -> None:
-        super().__init__(pipeline, height, width, num_frames=num_frames, **kwargs)
-        self.text_encoder_out_layers = tuple(int(i) for i in text_encoder_out_layers)
-        self._schedule_steps = schedule_steps
+        super().__init__(pipeline, height, width, num_frames=num_frames,
+                         text_encoder_out_layers=text_encoder_out_layers, schedule_steps=schedule_steps, **kwargs)
 
     @classmethod
     def from_config(cls, components: dict[str, dict[str, Any]], scheduler: dict[str, Any] | None = None,
@@ -92,7 +76,7 @@ class Flux2KleinGenerator(DiffusersGenerator):
         ``components`` may hold ``pipeline: {is_distilled: bool}`` (default False, a Base model)."""
         components = dict(components)
         distilled = bool(dict(components.pop("pipeline", {})).get("is_distilled", False))
-        gen = super().from_config(components, scheduler=FLUX_SCHEDULER | dict(scheduler or {}), **kwargs)
+        gen = super().from_config(components, scheduler=scheduler, **kwargs)
         gen.pipeline.register_to_config(is_distilled=distilled)
         return gen
 
@@ -102,31 +86,9 @@ class Flux2KleinGenerator(DiffusersGenerator):
         return bool(self.pipeline.config.get("is_distilled", False))
 
     @property
-    def schedule_steps(self) -> int:
-        """Step count of :attr:`default_shift_for_size`: the constructor's, else 4 distilled / 50 Base."""
-        return int(self._schedule_steps or (4 if self.is_distilled else 50))
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        """(4C, H / 2f, W / 2f): (128, 64, 64) at 1024x1024."""
-        return flux2_latent_shape(self)
-
-    @property
-    def image_seq_len(self) -> int:
-        """Image tokens per sample, h w (4096 at 1024x1024)."""
-        return self.latent_shape[1] * self.latent_shape[2]
-
-    def shift_for_steps(self, num_steps: int) -> float:
-        """The shift ``Flux2KleinPipeline`` uses at this size for ``num_steps`` steps (FLUX.2's empirical mu)."""
-        return flux2_shift(self.pipeline.scheduler.config, self.image_seq_len, num_steps)
-
-    @property
-    def default_shift_for_size(self) -> float:
-        """:meth:`shift_for_steps` at ``schedule_steps`` steps (1024x1024: 9.89 at 4 steps, 7.56 at 50)."""
-        return self.shift_for_steps(self.schedule_steps)
-
-    def _cache_key(self, prompt: str) -> str:  # the stacked layers change the embedding: part of the key
-        return super()._cache_key(prompt) + "-" + "-".join(map(str, self.text_encoder_out_layers))
+    def default_schedule_steps(self) -> int:
+        """4 for a distilled pipeline, else 50: the model cards' steps."""
+        return 4 if self.is_distilled else 50
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, _ = self.pipeline.encode_prompt(prompt=list(prompts), device=self.device,
@@ -138,16 +100,3 @@ class Flux2KleinGenerator(DiffusersGenerator):
         mask = tok(texts, return_tensors="pt", padding="max_length", truncation=True,
                    max_length=self.max_sequence_length).attention_mask
         return {"hidden_states": embeds, "attention_mask": mask.bool()}
-
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond, **kwargs) -> torch.Tensor:
-        """Velocity [B, 4C, h, w] at latents x [B, 4C, h, w] and sigma [B] (or [B, 1]) in [0, 1] (FLUX.2's
-        :func:`~genrl.models.families.flux2.flux2_velocity`; a transformer with a guidance embedding gets 1.0)."""
-        return flux2_velocity(self, x, sigma, cond, guidance_scale=1.0)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """latents [B, 4C, h, w] -> pixels float32 [B, 1, 3, H, W] in [0, 1]."""
-        return flux2_decode(self, latents)
-
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels [B, 1, 3, H, W] in [0, 1] -> latents [B, 4C, h, w]."""
-        return flux2_encode(self, pixels)
