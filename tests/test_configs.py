@@ -255,6 +255,31 @@ def test_wan_dmd_config_trains_on_tiny_components(tiny, configs, frame, tmp_path
     assert changed == {"generator", "critic"} and int(cli.model.iteration) == 2
 
 
+def test_wan_ti2v_dmd_config_distills_image_to_video(tmp_path, monkeypatch):
+    """configs/dmd/wan2.2_ti2v_5b.yaml on image prompts (tiny TI2V layout): the causal student's first chunk is the
+    given frame (it carries no gradient), the rest is generated from it; student and critic train."""
+    import numpy as np
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)
+    lines = []
+    for i, text in enumerate(["a red circle moving left", "a blue square staying still"]):
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(f"f{i}.png")
+        lines.append(json.dumps({"prompt": text, "image": f"f{i}.png"}))
+    (tmp_path / "i2v.jsonl").write_text("\n".join(lines))
+    override = _tiny_wan_dmd("wan22_ti2v")
+    override["data"] = {"init_args": {"train": str(tmp_path / "i2v.jsonl"), "val": None}}
+    (tmp_path / "tiny.yaml").write_text(json.dumps(override))
+    configs = ["configs/dmd/wan2.1_t2v_1.3b.yaml", "configs/dmd/wan2.2_ti2v_5b.yaml"]
+    cli = _cli([a for c in configs for a in ("--config", str(ROOT / c))] + ["--config", str(tmp_path / "tiny.yaml")],
+               run=False)
+    cli.model.configure_model()
+    before = {n: p.detach().clone() for n, p in cli.model.named_parameters()}
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert changed == {"generator", "critic"} and int(cli.model.iteration) == 2
+
+
 def _tiny_wan_afd() -> dict:
     """model.init_args of the Wan AFD configs with tiny random Wan components, a LoRA and a tiny discriminator."""
     from genrl.testing.families import tiny_generator_spec

@@ -271,3 +271,47 @@ def test_errors_are_named(gen, cond):
         gen.velocity_chunk(torch.zeros(B, C, 2, 2, 2, dtype=F64), torch.zeros(B, dtype=F64), cond, cache)
     with pytest.raises(ValueError, match="needs attention='block_causal'"):
         gen._forward(x, torch.zeros(B, dtype=F64), cond, "bidirectional", None, 2, cache, False)
+
+
+def test_image_to_video_causal_student_starts_from_the_given_frame(tmp_path):
+    """A causal student with image-conditioned prompts: the first chunk is the image's latent frame (committed to the
+    KV cache as context, not sampled); the later chunks depend on it (another image changes them); text-to-video
+    prompts still sample their first chunk; a mixed batch and a first chunk longer than the given frames are refused."""
+    import numpy as np
+    from PIL import Image
+
+    from genrl.models.causal import CausalConfig, ChunkSchedule
+    from genrl.models.conditions import Prompt
+    from genrl.models.families import family_class
+    from genrl.rollout.autoregressive import ar_rollout
+    from genrl.testing.families import TINY
+
+    gen = family_class("wan_causal").from_config(TINY["wan22_ti2v"], height=32, width=32, num_frames=9,
+                                                 max_sequence_length=16, causal={"chunk_size": 1}).eval()
+    paths = []
+    for i in range(2):
+        pixels = np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+        paths.append(tmp_path / f"f{i}.png")
+        Image.fromarray(pixels).save(paths[-1])
+    schedule = ChunkSchedule(causal=CausalConfig(chunk_size=1), timesteps=[1000, 500])
+    frame = gen.latent_shape[:1] + gen.latent_shape[2:]
+
+    def run(prompts, **kw):
+        with torch.no_grad():
+            return ar_rollout(gen, gen.encode_prompts(prompts), 3, frame, schedule, seed=0, **kw).latents
+
+    a = run([Prompt("a red circle", str(paths[0]))] * 2)
+    first = gen.encode_prompts([Prompt("a red circle", str(paths[0]))]).extras["first_frame"][0]
+    assert torch.equal(a[0, :, :1], first.to(a.dtype)) and torch.equal(a[1, :, :1], first.to(a.dtype))
+    b = run([Prompt("a red circle", str(paths[1]))] * 2)
+    assert (a[:, :, 1:] - b[:, :, 1:]).abs().max() > 1e-4  # the given frame conditions the rest through the cache
+    t2v = run(["a red circle"] * 2)
+    assert not torch.equal(t2v[0, :, :1], first.to(t2v.dtype))
+    with pytest.raises(ValueError, match="different conditions"):  # the text-only prompt was encoded alone
+        run([Prompt("a red circle", str(paths[0])), Prompt("a blue square")])
+    with pytest.raises(ValueError, match="not both in one batch"):  # encoded together: zeros and a 0 flag
+        run([Prompt("a green star", str(paths[1])), Prompt("a white star")])
+    two = ChunkSchedule(causal=CausalConfig(chunk_size=2), timesteps=[1000, 500])
+    with pytest.raises(ValueError, match="first_chunk_size: 1"):
+        with torch.no_grad():
+            ar_rollout(gen, gen.encode_prompts([Prompt("a red circle", str(paths[0]))]), 1, frame, two, seed=0)

@@ -302,6 +302,7 @@ def ar_rollout(
     n = state.batch_size
     dtype = step_dtype(generator)
     start_chunk = state.chunk_index
+    given = _given_first_chunk(generator, state, causal) if start_chunk == 0 else None
     end_frame = causal.chunk_start(start_chunk + num_chunks)
     grad_from = 0 if grad_window_frames is None else end_frame - grad_window_frames
     outputs, trajectory, grad_frames = [], [] if record else None, []
@@ -318,6 +319,17 @@ def ar_rollout(
         if state.cache.end_frame != s0:
             raise ValueError(f"state is at latent frame {state.cache.end_frame}, chunk {k} starts at {s0}")
         chunk_grad = grad != "none" and s0 >= grad_from
+        if k == 0 and given is not None:  # image-to-video: the first chunk is the given frame, committed as context
+            out = given.to(device=device, dtype=dtype)
+            if record:
+                empty = out.detach().cpu()[None, :0]
+                trajectory.append({"x": empty, "v": empty, "x0": empty, "noise": empty, "sigmas": torch.zeros(0),
+                                   "chunk": k, "start_frame": s0, "given": True})
+            chunk_grad = False
+            _commit_chunk(generator, state, schedule, out, frame_shape, k, length, device, dtype)
+            outputs.append(out)
+            grad_frames.append(torch.zeros(n, length, dtype=torch.bool))
+            continue
         x = chunk_noise(state, frame_shape, k, 0, length, device, dtype)
         rec = ({"x": [], "v": [], "x0": [], "noise": [x.detach().cpu()], "chunk": k, "start_frame": s0} if record
                else None)
@@ -344,15 +356,7 @@ def ar_rollout(
                 x = _renoise(x0 if grad == "full" else x0.detach(), sig[j + 1], eps.to(x0.dtype))
             else:
                 x = x.to(v.dtype) + (sig[j + 1] - sig[j]) * (v if grad == "full" else v.detach())
-        clean = out.detach()
-        ctx_sigma = schedule.context_noise
-        ctx = clean
-        if ctx_sigma > 0:
-            eps = chunk_noise(state, frame_shape, k, steps + 1, length, device, dtype)
-            ctx = _renoise(clean, ctx_sigma, eps)
-        generator.commit(ctx, torch.full((n,), ctx_sigma, device=device, dtype=clean.dtype), state.cond, state.cache)
-        state.latents = clean if state.latents is None else torch.cat([state.latents, clean], dim=fd)
-        state.chunk_index = k + 1
+        clean = _commit_chunk(generator, state, schedule, out, frame_shape, k, length, device, dtype)
         outputs.append(out if chunk_grad else clean)
         grad_frames.append(torch.full((n, length), bool(chunk_grad and out.requires_grad)))
         if record:
@@ -364,6 +368,55 @@ def ar_rollout(
     sigma_to = sig[exit_step + 1] if exit_step is not None else None
     return ARResult(latents=latents, grad_mask=torch.cat(grad_frames, dim=1), exit_step=exit_step,
                     sigma_from=sigma_from, sigma_to=sigma_to, trajectory=trajectory, state=state)
+
+
+def _commit_chunk(generator, state: ARState, schedule: ChunkSchedule, out: torch.Tensor, frame_shape, k: int,
+                  length: int, device, dtype) -> torch.Tensor:
+    """The end of chunk ``k``: commit its clean output (re-noised to ``schedule.context_noise``) to the KV cache,
+    append it to ``state.latents``, advance the chunk index; returns the detached clean chunk."""
+    clean = out.detach()
+    ctx_sigma = schedule.context_noise
+    ctx = clean
+    if ctx_sigma > 0:
+        eps = chunk_noise(state, frame_shape, k, schedule.num_steps + 1, length, device, dtype)
+        ctx = _renoise(clean, ctx_sigma, eps)
+    n = clean.shape[0]
+    generator.commit(ctx, torch.full((n,), ctx_sigma, device=device, dtype=clean.dtype), state.cond, state.cache)
+    state.latents = clean if state.latents is None else torch.cat([state.latents, clean], dim=state.frame_dim)
+    state.chunk_index = k + 1
+    return clean
+
+
+def _given_first_chunk(generator, state: ARState, causal) -> torch.Tensor | None:
+    """The given first chunk of an image-to-video causal rollout (the condition's fixed latent frames,
+    :func:`genrl.rollout.sampler.fixed_latents`), or None (text-to-video).
+
+    Raises:
+        ValueError: some prompts of the batch have an image and others not, or the given frames are not exactly
+            the first chunk (set the layout's ``first_chunk_size`` to their number).
+    """
+    from genrl.rollout.sampler import fixed_latents
+
+    fixed = fixed_latents(generator, state.cond)
+    if fixed is None:
+        return None
+    values, keep = fixed
+    fd = state.frame_dim
+    frames_given = ~keep.reshape(keep.shape[0], keep.shape[1], -1).any(dim=1) if fd == 2 else None
+    if frames_given is None:
+        raise ValueError("a given first frame needs latents with the frame axis 2 (the Wan families)")
+    rows = frames_given.any(dim=1)
+    if not bool(rows.any()):
+        return None
+    if not bool(rows.all()):
+        raise ValueError("a causal rollout takes image-to-video prompts or text-to-video prompts, not both in one "
+                         "batch (some prompts here have an image and others not); batch them apart")
+    g = int(frames_given[0].sum())
+    if not bool(frames_given[:, :g].all()) or causal.chunk_len(0) != g:
+        raise ValueError(f"the condition gives the first {g} latent frame(s) but the causal layout's first chunk "
+                         f"has {causal.chunk_len(0)}: set causal.first_chunk_size: {g} so that the given frames are "
+                         f"the first chunk")
+    return values.narrow(fd, 0, g)
 
 
 def teacher_forced_velocity(generator, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning,

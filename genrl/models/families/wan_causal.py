@@ -312,6 +312,18 @@ class CausalWanGenerator(WanGenerator):
             raise ValueError(f"wan_causal needs a temporal patch of 1 (Wan2.1's patch_size is (1, 2, 2)); this "
                              f"transformer has patch_size={p}: chunks, windows and the KV cache count latent frames")
 
+    def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """The text states, plus for prompts with an image (:class:`genrl.models.conditions.Prompt`) the given first
+        latent frame (:func:`~genrl.models.families.wan_i2v.first_frame_extras`): the causal sampler then takes it as
+        the first chunk, committed to the KV cache as context, and generates the rest (image-to-video)."""
+        from genrl.models.conditions import prompt_image
+        from genrl.models.families.wan_i2v import first_frame_extras
+
+        out = super()._encode_uncached(prompts)
+        if any(prompt_image(p) is not None for p in prompts):
+            out |= first_frame_extras(self, prompts)
+        return out
+
     # ------------------------------------------------------------------ causal API
     def init_cache(self, batch_size: int, causal: CausalConfig | None = None) -> KVCache:
         """An empty KV cache for ``batch_size`` videos with chunk layout / window ``causal`` (default

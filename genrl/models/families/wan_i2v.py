@@ -27,7 +27,7 @@ import torch
 from genrl.models.conditions import load_image, prompt_image
 from genrl.models.families.wan import WanGenerator
 
-__all__ = ["WanI2VGenerator", "WanTI2VGenerator"]
+__all__ = ["WanI2VGenerator", "WanTI2VGenerator", "first_frame_extras"]
 
 _WAN_COMPONENTS = {"transformer": "model", "vae": "model", "text_encoder": "model", "tokenizer": "tokenizer",
                    "scheduler": "scheduler"}
@@ -51,6 +51,25 @@ def _encode_first_frame(gen: WanGenerator, image, frames: int) -> torch.Tensor:
     z = vae.encode(video).latent_dist.mode()
     mean, std = gen._latent_stats(z.device, z.dtype)
     return ((z - mean) * (1.0 / std))[0]
+
+
+def first_frame_extras(gen: WanGenerator, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """The given-first-frame condition of ``prompts``: ``first_frame`` [B, C, 1, h, w] (the image's normalised latent
+    frame; zeros for a text-only prompt) and ``first_frame_given`` [B] (1.0 / 0.0), float32 on ``gen``'s device;
+    :meth:`WanGenerator.fixed_latents` reads them (TI2V's first-frame replacement, a causal student's given first
+    chunk).
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`genrl.models.conditions.load_image`.
+    """
+    c, _, h, w = gen.latent_shape
+    frames, given = [], []
+    for p in prompts:
+        image = prompt_image(p)
+        frames.append(torch.zeros(c, 1, h, w, device=gen.device) if image is None
+                      else _encode_first_frame(gen, image, 1).float())
+        given.append(float(image is not None))
+    return {"first_frame": torch.stack(frames), "first_frame_given": torch.tensor(given, device=gen.device)}
 
 
 class WanI2VGenerator(WanGenerator):
@@ -138,14 +157,4 @@ class WanTI2VGenerator(WanGenerator):
                              "(Wan2.2-TI2V-5B); for Wan2.1 text-to-video use family wan")
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        out = super()._encode_uncached(prompts)
-        c, _, h, w = self.latent_shape
-        frames, given = [], []
-        for p in prompts:
-            image = prompt_image(p)
-            frames.append(torch.zeros(c, 1, h, w, device=self.device) if image is None
-                          else _encode_first_frame(self, image, 1).float())
-            given.append(float(image is not None))
-        out["first_frame"] = torch.stack(frames)
-        out["first_frame_given"] = torch.tensor(given, device=self.device)
-        return out
+        return super()._encode_uncached(prompts) | first_frame_extras(self, prompts)
