@@ -83,8 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="fractional: the history's level k_H, in --units (default: DFoT's 0.4, sigma 0.4246)")
     p.add_argument("--stabilization", type=float, default=None,
                    help="level of generated history frames, in --units (default: DFoT's 0.02, sigma 0.0402; 0 = off)")
-    p.add_argument("--units", choices=["sigma", "dfot"], default="sigma",
-                   help="what --fractional-sigma and --stabilization mean: flow-matching sigma, or DFoT's levels")
+    p.add_argument("--units", choices=["sigma", "dfot", "dfot_shifted"], default="sigma",
+                   help="what --fractional-sigma and --stabilization mean: flow-matching sigma, or DFoT's levels "
+                        "on its cosine schedule (dfot: its Kinetics-600 models) or its shifted cosine (dfot_shifted: "
+                        "its RealEstate10K / Minecraft models)")
     p.add_argument("--text-scale", type=float, default=None,
                    help="independent text CFG scale (default 3 for conditional, 1 for vanilla / fractional, whose "
                         "--scale already guides the text)")

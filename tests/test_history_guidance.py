@@ -322,6 +322,22 @@ def test_dfot_units_give_the_same_guidance_as_the_converted_sigmas_bit_for_bit()
                                          GuidanceView((1.0, 1.0), True): -1.0}
 
 
+def test_shifted_dfot_units_are_dfots_realestate10k_levels():
+    """units="dfot_shifted" reads DFoT's levels on its shifted cosine schedule (RealEstate10K / Minecraft): its
+    stabilized-fractional preset 0.02 / 0.4 compiles to the views of sigma 0.1957 / 0.853, bit for bit those of the
+    converted sigmas, and not to the cosine ones; the defaults stay DFoT's levels in those units."""
+    gen = [True, False, True]
+    shifted = HistoryGuidance("fractional", scale=4.0, fractional_sigma=0.4, stabilization=0.02, units="dfot_shifted")
+    in_sigma = HistoryGuidance("fractional", scale=4.0, fractional_sigma=dfot_level_to_sigma(0.4, "shifted_cosine"),
+                               stabilization=dfot_level_to_sigma(0.02, "shifted_cosine"))
+    assert shifted.compile(3, generated=gen) == in_sigma.compile(3, generated=gen)
+    assert shifted.stabilization_sigma == pytest.approx(0.1957, abs=1e-4)
+    assert shifted.compile(3, generated=gen) != HistoryGuidance(
+        "fractional", scale=4.0, fractional_sigma=0.4, stabilization=0.02, units="dfot").compile(3, generated=gen)
+    default = HistoryGuidance("fractional", units="dfot_shifted")
+    assert (default.stabilization, default.fractional_sigma) == (0.02, 0.4)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(units="ddpm"), "unknown noise-level units 'ddpm'"),
     (dict(units="dfot", stabilization=1.0), r"stabilization must be in \[0, 1\) in units='dfot' .* got 1.0"),

@@ -64,8 +64,10 @@ __all__ = [
 
 GuidanceKind = Literal["conditional", "vanilla", "fractional", "temporal", "custom"]
 _KINDS = ("conditional", "vanilla", "fractional", "temporal", "custom")
-NoiseUnits = Literal["sigma", "dfot"]
-_UNITS = ("sigma", "dfot")
+NoiseUnits = Literal["sigma", "dfot", "dfot_shifted"]
+_UNITS = ("sigma", "dfot", "dfot_shifted")
+#: units -> the DFoT schedule its levels are fractions of
+_UNIT_SCHEDULES = {"dfot": "cosine", "dfot_shifted": "shifted_cosine"}
 DfotSchedule = Literal["cosine", "shifted_cosine"]
 _SCHEDULES = ("cosine", "shifted_cosine")
 
@@ -261,11 +263,11 @@ class HistoryGuidance:
         drop_text_in_uncond: the empty view drops the text too (joint text and history guidance; DFoT's default).
         text_scale: independent text CFG scale w_t in the standard form (1 = none; adds one call).
         units: what the rule's noise levels (``fractional_sigma``, ``stabilization``, the terms' ``sigma``) mean:
-            ``"sigma"`` (genrl's flow-matching sigma, the views' own) or ``"dfot"`` (fractions of DFoT's 1,000-step
-            cosine schedule, as its configs write them: ``stabilization_level``, ``freq_scale``), converted at equal
-            SNR by :func:`dfot_level_to_sigma`. The views (:meth:`compile`) are always in sigma. For DFoT's
-            RealEstate10K / Minecraft models (shifted cosine) convert with
-            ``dfot_level_to_sigma(k, "shifted_cosine")`` and pass sigma.
+            ``"sigma"`` (genrl's flow-matching sigma, the views' own), ``"dfot"`` (fractions of DFoT's 1,000-step
+            cosine schedule, as its configs write them: ``stabilization_level``, ``freq_scale``; its Kinetics-600
+            models) or ``"dfot_shifted"`` (the same on DFoT's shifted cosine schedule: its RealEstate10K and
+            Minecraft models), converted at equal SNR by :func:`dfot_level_to_sigma`. The views (:meth:`compile`)
+            are always in sigma.
 
     Raises:
         ValueError (in ``__post_init__``): an unknown kind or units, scales < 0, levels outside their range, temporal
@@ -287,8 +289,9 @@ class HistoryGuidance:
         if self.kind not in _KINDS:
             raise ValueError(f"unknown history guidance kind {self.kind!r}; use one of {', '.join(_KINDS)}")
         if self.units not in _UNITS:
-            raise ValueError(f"unknown noise-level units {self.units!r}; use 'sigma' (flow-matching sigma) or "
-                             f"'dfot' (fractions of DFoT's cosine schedule, as its configs write them)")
+            raise ValueError(f"unknown noise-level units {self.units!r}; use 'sigma' (flow-matching sigma), 'dfot' "
+                             f"(fractions of DFoT's cosine schedule, as its configs write them) or 'dfot_shifted' "
+                             f"(of its shifted cosine schedule: the RealEstate10K / Minecraft models)")
         for name in ("scale", "text_scale"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -313,12 +316,12 @@ class HistoryGuidance:
             raise ValueError("custom history guidance needs terms, e.g. terms=[HistoryTerm(weight=2.0)]")
 
     def _default(self, dfot_level: float) -> float:
-        """DFoT's level ``dfot_level`` in this rule's units."""
-        return dfot_level if self.units == "dfot" else dfot_level_to_sigma(dfot_level)
+        """DFoT's level ``dfot_level`` in this rule's units (its cosine schedule's level for ``units="sigma"``)."""
+        return dfot_level if self.units != "sigma" else dfot_level_to_sigma(dfot_level)
 
     def to_sigma(self, level: float) -> float:
         """A noise level in this rule's ``units`` as a flow-matching sigma (``units="sigma"``: unchanged)."""
-        return float(level) if self.units == "sigma" else dfot_level_to_sigma(level)
+        return float(level) if self.units == "sigma" else dfot_level_to_sigma(level, _UNIT_SCHEDULES[self.units])
 
     @property
     def stabilization_sigma(self) -> float:

@@ -107,7 +107,8 @@ def check_image_size(size: tuple[int, int], height: int, width: int, what: str) 
     if tuple(size) != (height, width):
         raise ValueError(f"conditioning image {what} is {size[0]}x{size[1]} (height x width) but the generator samples "
                          f"{height}x{width}: the first frame must have the video's size; resize the image or set the "
-                         f"generator's height / width to {size[0]} / {size[1]}")
+                         f"sample size to {size[0]} x {size[1]} (generator height / width, or generate.py --height "
+                         f"{size[0]} --width {size[1]})")
 
 
 def load_image(image: str | torch.Tensor, height: int, width: int) -> torch.Tensor:
