@@ -242,6 +242,50 @@ def test_fsdp2_wan_lora_checkpoint_exports_a_pipeline_that_samples_like_one_proc
     assert float((videos["one"] - base).abs().max()) > 1e-3, "the export should hold the trained weights"
 
 
+wan22_folder = tiny_pipeline_fixture("wan22")
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_both_wan22_experts_and_exports_them(wan22_folder, tmp_path):
+    # LoRA GRPO on Wan2.2's two (tiny) experts on 1 and on 2 FSDP2 processes: each rank holds half of both experts,
+    # the trained adapters equal the one-process run's, and the sharded checkpoint exports a WanPipeline folder with
+    # both merged experts in their slots
+    import importlib.util
+
+    from diffusers import WanPipeline
+
+    cfg = tmp_path / "tiny_wan22.yaml"
+    cfg.write_text(json.dumps({"model": {"init_args": {
+        "generator": {"family": "wan22", "text_encoder": None, "height": 16, "width": 16, "num_frames": 5,
+                      "max_sequence_length": 16},
+        "latent_shape": None, "lora": {"rank": 4, "alpha": 8, "init_lora_weights": "gaussian"},
+        "rollout": {"cfg_scale": 1.0}}}}))
+    spec = importlib.util.spec_from_file_location("genrl_export_script", ROOT / "pipelines/export.py")
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    params, videos = {}, {}
+    for strategy in ("one", "fsdp2"):
+        folder = run("grpo", strategy, tmp_path, str(wan22_folder), None, steps=2, ema=False, name=f"wan22_{strategy}",
+                     extra=["--config", str(cfg)])
+        params[strategy] = _params(folder)
+        lora = [k for k in params[strategy] if "lora_" in k]  # adapters on both experts
+        assert any(k.startswith("generator.transformer.") for k in lora)  # the role holds the two experts
+        assert any(k.startswith("generator.transformer_2.") for k in lora)
+        for rank in (0, 1) if strategy == "fsdp2" else ():
+            local, total = json.loads((folder / f"rec/numel_rank{rank}.json").read_text())["generator"]
+            assert abs(local - total / 2) <= 0.01 * total, (rank, local, total)
+        ckpt = folder / "runs/ck/last.ckpt"
+        out = export.main(["--ckpt", str(ckpt), "--mode", "full", "--out", str(folder / "exported")])
+        assert out["lora"] and out["kind"] == "wan22"
+        pipe = WanPipeline.from_pretrained(str(folder / "exported"), local_files_only=True)
+        assert pipe.transformer_2 is not None
+        videos[strategy] = pipe("a red circle", height=16, width=16, num_frames=5, num_inference_steps=3,
+                                guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="pt",
+                                max_sequence_length=16).frames
+    assert _max_diff(params["fsdp2"], params["one"]) < PARAM_ATOL
+    assert float((videos["fsdp2"] - videos["one"]).abs().max()) < 1e-4
+
+
 @pytest.mark.slow  # two processes, 21 s; NaN rewards are also covered single-process (test_ram, test_grpo)
 def test_a_rank_with_only_nan_rewards_completes(tmp_path, tiny_policy, tiny_text_encoder):
     folder = run("grpo", "ddp", tmp_path, tiny_policy, tiny_text_encoder, steps=2, ema=False,
