@@ -19,6 +19,7 @@ FAMILY_CONFIGS = {
     "sd3": "configs/grpo/sd3.5_medium.yaml",
     "flux": "configs/grpo/flux.1_dev.yaml",
     "flux2": "configs/grpo/flux.2_dev.yaml",
+    "flux2_klein": "configs/grpo/flux.2_klein_base_4b.yaml",
     "sana": "configs/grpo/sana.yaml",
     "hunyuan_video15": "configs/grpo/hunyuan_video1.5_t2v.yaml",
     "ltx2": "configs/grpo/ltx2_t2v.yaml",
