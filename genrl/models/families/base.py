@@ -375,7 +375,6 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
 
         Raises:
             TypeError: ``prompts`` is a single string or holds non-strings.
-            ValueError: prompts whose encodings carry different extras in one batch (names two of them).
         """
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError(f"prompts must be a list of strings, got {type(prompts).__name__}: {prompts!r:.80}")
@@ -407,13 +406,12 @@ class DiffusersGenerator(nn.Module, metaclass=abc.ABCMeta):
         hidden = torch.stack([it["hidden_states"] for it in items]).to(device, dtype)
         mask = torch.stack([it["attention_mask"] for it in items]).to(device)
         pooled = torch.stack([it["pooled"] for it in items]).to(device, dtype) if "pooled" in items[0] else None
-        keys = [sorted(k for k in it if k not in _TEXT_KEYS) for it in items]
-        if any(k != keys[0] for k in keys):
-            odd = next(i for i, k in enumerate(keys) if k != keys[0])
-            raise ValueError(f"{self.family}: the prompts of one batch carry different conditions ({prompts[0]!r}: "
-                             f"{keys[0]}, {prompts[odd]!r}: {keys[odd]}), e.g. image-to-video and text-only prompts "
-                             f"of a causal student; encode them in separate batches")
-        extras = {k: _stack_to([it[k] for it in items], device, dtype) for k in keys[0]}
+        # an optional condition (a causal student's given first frame) that a text-only prompt was encoded without
+        # is zeros for it, which is what "no image" means there (its flag 0)
+        keys = sorted({k for it in items for k in it if k not in _TEXT_KEYS})
+        reference = {k: next(it[k] for it in items if k in it) for k in keys}
+        extras = {k: _stack_to([it[k] if k in it else torch.zeros_like(reference[k]) for it in items], device, dtype)
+                  for k in keys}
         return Conditioning(hidden, mask.bool(), list(prompts), pooled, extras)
 
     @abc.abstractmethod

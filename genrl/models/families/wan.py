@@ -181,13 +181,15 @@ class WanGenerator(DiffusersGenerator):
                              return_dict=False)[0]
         return v if fixed is None else v * fixed[1].to(v.dtype)
 
-    def fixed_latents(self, cond) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def fixed_latents(self, cond, num_frames: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(values [B, C, F, h, w], keep [B, 1, F, 1, 1] bool)`` of the latents the condition gives (Wan2.2-TI2V's
-        first frame, for the prompts that have an image), or None; see :func:`genrl.rollout.sampler.fixed_latents`."""
+        first frame, for the prompts that have an image), or None; see :func:`genrl.rollout.sampler.fixed_latents`.
+        ``num_frames``: F of a sequence of another length than :attr:`latent_shape`'s (its first frame is frame 0)."""
         first = cond.extras.get("first_frame")
         if first is None:
             return None
         b, (c, f, h, w) = len(cond), self.latent_shape
+        f = f if num_frames is None else int(num_frames)
         values = torch.zeros(b, c, f, h, w, device=first.device, dtype=first.dtype)
         values[:, :, :1] = first
         keep = torch.ones(b, 1, f, 1, 1, dtype=torch.bool, device=first.device)

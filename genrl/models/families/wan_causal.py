@@ -353,7 +353,8 @@ class CausalWanGenerator(WanGenerator):
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond, attention: str | None = None,
                  causal: CausalConfig | None = None, start_frame: int = 0) -> torch.Tensor:
         """Full-sequence velocity ``[B, C, F, h, w]`` (transformer dtype) at latents ``x`` and sigma ``[B]`` or
-        ``[B, F]`` in [0, 1].
+        ``[B, F]`` in [0, 1]. With an image-conditioned ``cond`` and ``start_frame`` 0, latent frame 0 of the prompts
+        that have an image is the given frame, clean (timestep 0), and its velocity is 0 (:meth:`fixed_latents`).
 
         Args:
             attention: ``"block_causal"`` (default when :attr:`causal` or ``causal`` is set) or
@@ -366,7 +367,16 @@ class CausalWanGenerator(WanGenerator):
         causal = causal or self.causal
         if attention is None:
             attention = "block_causal" if causal is not None else "bidirectional"
-        return self._forward(x, sigma, cond, attention, causal, start_frame, None, commit=False)
+        fixed = self.fixed_latents(cond, x.shape[2]) if start_frame == 0 else None
+        if fixed is None:
+            return self._forward(x, sigma, cond, attention, causal, start_frame, None, commit=False)
+        # image-to-video: the given first frame enters clean at timestep 0 and its velocity is 0 (as Wan2.2-TI2V's
+        # pipeline gives it), so a DMD teacher / critic scoring a video sees it as the condition it is
+        values, keep = fixed
+        frames = sigma[:, None].expand(-1, x.shape[2]) if sigma.ndim == 1 else sigma
+        v = self._forward(torch.where(keep, x, values.to(x.dtype)), frames * keep[:, 0, :, 0, 0].to(frames.dtype),
+                          cond, attention, causal, start_frame, None, commit=False)
+        return v * keep.to(v.dtype)
 
     # ------------------------------------------------------------------ internals
     def _timestep(self, sigma, b: int, f: int, tokens: int, device) -> torch.Tensor:
