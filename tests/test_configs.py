@@ -275,6 +275,13 @@ def test_wan_ti2v_dmd_config_distills_image_to_video(tmp_path, monkeypatch):
     cli = _cli([a for c in configs for a in ("--config", str(ROOT / c))] + ["--config", str(tmp_path / "tiny.yaml")],
                run=False)
     cli.model.configure_model()
+    from genrl.methods.distill import negative_cond
+    from genrl.models.conditions import prompt_image
+
+    prompts = [r.prompt for r in cli.datamodule.train_records]
+    negative = negative_cond(cli.model, 2, prompts)  # the teacher's CFG drops only the text: the images stay
+    assert [prompt_image(p) for p in negative.prompts] == [prompt_image(p) for p in prompts]
+    assert negative.extras["first_frame_given"].tolist() == [1.0, 1.0]
     before = {n: p.detach().clone() for n, p in cli.model.named_parameters()}
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     changed = {n.split(".")[0] for n, p in cli.model.named_parameters() if not torch.equal(before[n], p.detach())}

@@ -24,6 +24,7 @@ from genrl.flow.losses import flow_matching_loss
 from genrl.flow.nft import advantage_to_r, bt_loss, centered_advantages, r1_penalty, r2_penalty
 from genrl.methods.common import build_student, gather_batch, rank_slice, trainer_of
 from genrl.models.compile import is_compiled
+from genrl.models.conditions import null_prompts, prompt_image
 from genrl.models.roles import swapped_transformer
 from genrl.models.text_encoder import Conditioning
 from genrl.models.trunk import trunk_adapter
@@ -114,9 +115,13 @@ def real_x0(teacher: ScoreRole, x_t: torch.Tensor, sigma: torch.Tensor, cond: Co
     return x0_from_velocity(x_t.float(), sigma, v_c)
 
 
-def negative_cond(method: LightningModule, n: int) -> Conditioning:
+def negative_cond(method: LightningModule, n: int, prompts: list[str] | None = None) -> Conditioning:
     """``n`` rows of the conditioning of ``method.hparams.negative_prompt`` (the unconditional prompt of a teacher's
-    CFG), encoded once per device by ``method.generator`` and cached on ``method._negative``."""
+    CFG), encoded once per device by ``method.generator`` and cached on ``method._negative``. With ``prompts`` that
+    carry images (image-to-video), each row is the negative prompt with that prompt's image: CFG drops only the text
+    (:func:`genrl.models.conditions.null_prompts`)."""
+    if prompts is not None and any(prompt_image(p) is not None for p in prompts):
+        return method.generator.encode_prompts(null_prompts(list(prompts), method.hparams.negative_prompt))
     cached = getattr(method, "_negative", None)
     if cached is None or cached.hidden_states.device != method.device:
         cached = method._negative = method.generator.encode_prompts([method.hparams.negative_prompt])

@@ -175,7 +175,8 @@ class DMD(LightningModule):
     def real_x0(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Teacher x0 prediction with CFG (standard form w) at x_t, sigma [B]."""
         w = self.hparams.teacher_cfg_scale
-        return real_x0(self.teacher, x_t, sigma, cond, w, negative_cond(self, x_t.shape[0]) if w != 1.0 else None)
+        return real_x0(self.teacher, x_t, sigma, cond, w,
+                       negative_cond(self, x_t.shape[0], cond.prompts) if w != 1.0 else None)
 
     def fake_x0(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         """Critic x0 prediction (no CFG) at x_t, sigma [B]."""
