@@ -14,8 +14,12 @@ from PIL import Image
 
 from genrl.testing.families import TINY_SIZE
 
-FAMILIES = ["wan22", "wan_i2v", "wan22_ti2v", "skyreels_v2", "hunyuan_video15", "ltx2", "qwen_image", "flux2",
-            "flux2_klein"]
+#: the Wan2.2 / image-to-video families run by default (they exercise the experts and the image condition through a
+#: checkpoint); the others, whose resume path is the plain family one, are slow tests (``pytest -m slow``), to keep
+#: the default suite within its time
+FAMILIES = ["wan22", "wan_i2v", "wan22_ti2v"] + [
+    pytest.param(f, marks=pytest.mark.slow)
+    for f in ("skyreels_v2", "hunyuan_video15", "ltx2", "qwen_image", "flux2", "flux2_klein")]
 IMAGE_FAMILIES = {"wan_i2v", "wan22_ti2v"}
 
 
