@@ -165,13 +165,8 @@ class WanGenerator(DiffusersGenerator):
         tokens; the velocity there is 0 (the frame is not sampled; :meth:`fixed_latents`).
         """
         self._check_x(x, sigma, cond)
-        extras, x_in = cond.extras, x
-        fixed = self.fixed_latents(cond)
-        if fixed is not None:
-            values, keep = fixed
-            x_in = torch.where(keep, x, values.to(x.dtype))
-            frames = sigma[:, None].expand(-1, x.shape[2]) if sigma.ndim == 1 else sigma
-            sigma = frames * keep[:, 0, :, 0, 0].to(frames.dtype)
+        extras = cond.extras
+        x_in, sigma, keep = self._given_frame_inputs(x, sigma, cond)
         if "condition" in extras:
             x_in = torch.cat([x_in, extras["condition"].to(x.dtype)], dim=1)
         image = extras.get("image_embeds")
@@ -179,7 +174,18 @@ class WanGenerator(DiffusersGenerator):
                              encoder_hidden_states=cond.hidden_states.to(self.dtype),
                              encoder_hidden_states_image=None if image is None else image.to(self.dtype),
                              return_dict=False)[0]
-        return v if fixed is None else v * fixed[1].to(v.dtype)
+        return v if keep is None else v * keep.to(v.dtype)
+
+    def _given_frame_inputs(self, x: torch.Tensor, sigma: torch.Tensor, cond):
+        """``(x, sigma, keep)`` for a forward over a sequence starting at latent frame 0: with a given first frame
+        (:meth:`fixed_latents`) it replaces frame 0 of ``x`` and its sigma is 0 there (per-frame sigma [B, F]);
+        ``keep`` (None without one) then zeroes the velocity of the given frame."""
+        fixed = self.fixed_latents(cond, x.shape[2])
+        if fixed is None:
+            return x, sigma, None
+        values, keep = fixed
+        frames = sigma[:, None].expand(-1, x.shape[2]) if sigma.ndim == 1 else sigma
+        return torch.where(keep, x, values.to(x.dtype)), frames * keep[:, 0, :, 0, 0].to(frames.dtype), keep
 
     def fixed_latents(self, cond, num_frames: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(values [B, C, F, h, w], keep [B, 1, F, 1, 1] bool)`` of the latents the condition gives (Wan2.2-TI2V's

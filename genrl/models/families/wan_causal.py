@@ -367,16 +367,12 @@ class CausalWanGenerator(WanGenerator):
         causal = causal or self.causal
         if attention is None:
             attention = "block_causal" if causal is not None else "bidirectional"
-        fixed = self.fixed_latents(cond, x.shape[2]) if start_frame == 0 else None
-        if fixed is None:
-            return self._forward(x, sigma, cond, attention, causal, start_frame, None, commit=False)
-        # image-to-video: the given first frame enters clean at timestep 0 and its velocity is 0 (as Wan2.2-TI2V's
-        # pipeline gives it), so a DMD teacher / critic scoring a video sees it as the condition it is
-        values, keep = fixed
-        frames = sigma[:, None].expand(-1, x.shape[2]) if sigma.ndim == 1 else sigma
-        v = self._forward(torch.where(keep, x, values.to(x.dtype)), frames * keep[:, 0, :, 0, 0].to(frames.dtype),
-                          cond, attention, causal, start_frame, None, commit=False)
-        return v * keep.to(v.dtype)
+        keep = None
+        if start_frame == 0:  # image-to-video: the given first frame is clean (timestep 0), its velocity 0, so a DMD
+            # teacher / critic scoring a video sees it as the condition it is (as Wan2.2-TI2V's pipeline gives it)
+            x, sigma, keep = self._given_frame_inputs(x, sigma, cond)
+        v = self._forward(x, sigma, cond, attention, causal, start_frame, None, commit=False)
+        return v if keep is None else v * keep.to(v.dtype)
 
     # ------------------------------------------------------------------ internals
     def _timestep(self, sigma, b: int, f: int, tokens: int, device) -> torch.Tensor:
