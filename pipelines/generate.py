@@ -312,10 +312,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     # everything that can be checked without the model, before loading it (nothing is written on failure)
     check_sample_size(args.model, args.height, args.width, args.frames)
-    for rec in records_in:  # image-to-video: the files exist (their size is checked once the sample size is known)
-        image = getattr(rec.prompt, "image", None)
-        if isinstance(image, str) and not Path(image).is_file():
-            raise FileNotFoundError(f"conditioning image {image!r} of the prompt {str(rec.prompt)!r} does not exist")
+    # image-to-video: the files exist (their size is checked once the sample size is known)
+    check_prompt_images([r.prompt for r in records_in], None, None)
     if args.pretrained is not None and not Path(args.pretrained).expanduser().is_dir():
         parser.error(f"--pretrained {args.pretrained!r} is not a folder; give the local base-model folder")
     out = Path(args.out)

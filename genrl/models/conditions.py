@@ -141,9 +141,10 @@ def load_image(image: str | torch.Tensor, height: int, width: int) -> torch.Tens
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
-def check_prompt_images(prompts: list[str], height: int, width: int) -> int:
+def check_prompt_images(prompts: list[str], height: int | None, width: int | None) -> int:
     """Check every image-conditioned prompt's image before a model is loaded: the file exists and its size (read from
-    the header, not decoded) is ``height`` x ``width``. Returns the number of distinct images checked.
+    the header, not decoded) is ``height`` x ``width`` (sizes None: existence only, for a size not known yet).
+    Returns the number of distinct images checked.
 
     Raises:
         FileNotFoundError: a missing image file (names it and the prompt).
@@ -157,11 +158,14 @@ def check_prompt_images(prompts: list[str], height: int, width: int) -> int:
             continue
         seen.add(key)
         if isinstance(image, torch.Tensor):
-            check_image_size((int(image.shape[-2]), int(image.shape[-1])), height, width, f"of {str(p)!r}")
+            if height is not None:
+                check_image_size((int(image.shape[-2]), int(image.shape[-1])), height, width, f"of {str(p)!r}")
             continue
         path = Path(image).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"conditioning image {str(path)!r} of the prompt {str(p)!r} does not exist")
+        if height is None:
+            continue
         from PIL import Image
 
         with Image.open(path) as img:
