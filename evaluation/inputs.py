@@ -34,6 +34,10 @@ class EvalItem:
         fps: frames per second recorded by the manifest, or None (then the container's rate is used).
         metadata: the manifest's per-prompt metadata (e.g. a GenEval spec), passed to rewards as ``metadata``.
         record: the whole manifest line ({} without a manifest).
+        image: the conditioning image of an image-to-video sample (the manifest's ``image``, written by
+            ``pipelines/generate.py`` as an absolute path; else ``metadata["image"]``, absolute or relative to the
+            manifest's folder), or None. Not checked for existence here: a missing file skips only the dimensions
+            that need it.
     """
 
     file: str
@@ -44,6 +48,7 @@ class EvalItem:
     fps: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     record: dict[str, Any] = field(default_factory=dict)
+    image: Path | None = None
 
 
 @dataclass
@@ -129,7 +134,8 @@ def discover(videos: str | Path, manifest: str | Path | None = None, allow_unlis
                 continue
             fps = r.get("fps")
             items.append(EvalItem(f, root / f, str(r["prompt"]), r.get("seed"), r.get("sample"),
-                                  float(fps) if fps else None, dict(r.get("metadata") or {}), r))
+                                  float(fps) if fps else None, dict(r.get("metadata") or {}), r,
+                                  _conditioning_image(r, mpath.parent)))
         present = set(files)
         skipped += [Skipped(f, f"listed in {mpath.name} but the file is missing") for f in records if f not in present]
         hint = (f"add them to {mpath}, move them out of the folder, or pass --allow-unlisted to skip them "
@@ -154,6 +160,41 @@ def discover(videos: str | Path, manifest: str | Path | None = None, allow_unlis
     return items, skipped
 
 
+def _conditioning_image(record: dict[str, Any], folder: Path) -> Path | None:
+    """The image a manifest line was generated from: its ``image``, else ``metadata["image"]`` (relative paths
+    from ``folder``, the manifest's); None for a text-only sample. Raises ValueError: a value that is not a path."""
+    value = record.get("image") or (record.get("metadata") or {}).get("image")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"manifest line of {record.get('file')!r}: image={value!r} is not a file path; give the "
+                         f"image file (absolute, or relative to the manifest's folder)")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else folder / path
+
+
+def load_image(path: Path) -> torch.Tensor:
+    """Decode one image file to uint8 ``[3, H, W]`` RGB on the CPU.
+
+    Raises:
+        FileNotFoundError: the file is gone.
+        genrl.data.video_io.VideoReadError (a ValueError): not a readable image (the message names it).
+    """
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise FileNotFoundError(f"image file not found: {str(path)!r}")
+    try:
+        with Image.open(path) as im:
+            array = np.asarray(im.convert("RGB"))
+    except (UnidentifiedImageError, OSError) as err:
+        from genrl.data.video_io import VideoReadError
+
+        raise VideoReadError(path, f"could not read image {str(path)!r} ({err})") from err
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+
 def load_video(item: EvalItem) -> tuple[torch.Tensor, float]:
     """Decode a whole file.
 
@@ -167,19 +208,7 @@ def load_video(item: EvalItem) -> tuple[torch.Tensor, float]:
             how to re-encode it).
     """
     if item.path.suffix.lower() in IMAGE_EXTENSIONS:
-        import numpy as np
-        from PIL import Image, UnidentifiedImageError
-
-        if not item.path.is_file():
-            raise FileNotFoundError(f"image file not found: {str(item.path)!r}")
-        try:
-            with Image.open(item.path) as im:
-                array = np.asarray(im.convert("RGB"))
-        except (UnidentifiedImageError, OSError) as err:
-            from genrl.data.video_io import VideoReadError
-
-            raise VideoReadError(item.path, f"could not read image {str(item.path)!r} ({err})") from err
-        return torch.from_numpy(array.copy()).permute(2, 0, 1)[None], item.fps or 8.0
+        return load_image(item.path)[None], item.fps or 8.0
     from genrl.data.video_io import VideoReadError, probe_video, read_video
 
     info = probe_video(item.path)

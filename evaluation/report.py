@@ -215,14 +215,20 @@ def make_plots(results: dict[str, Any], out: Path, samples: int = 6) -> list[tup
     plots.mkdir(parents=True, exist_ok=True)
     made: list[tuple[str, str]] = []
     dims = results.get("dimensions", {})
-    if dims:
-        names = list(dims)
+    names = [n for n in dims if not dims[n].get("unit")]  # scores in [0, 1]
+    if names:
         _plot_bars(plots / "dimensions.png", [n + (" (proxy)" if dims[n].get("proxy") else "") for n in names],
                    [dims[n].get("score") for n in names],
                    [(dims[n].get("spread") or {}).get("std") for n in names],
                    [bool(dims[n].get("proxy")) for n in names], "VBench dimensions (raw score; hatched = proxy)",
                    (0.0, 1.05), bounds=(0.0, 1.0))
         made.append(("VBench dimensions", f"{PLOTS}/dimensions.png"))
+    for unit in sorted({dims[n]["unit"] for n in dims if dims[n].get("unit")}):  # e.g. PSNR in dB: its own axis
+        names = [n for n in dims if dims[n].get("unit") == unit]
+        _plot_bars(plots / f"dimensions_{unit}.png", names, [dims[n].get("score") for n in names],
+                   [(dims[n].get("spread") or {}).get("std") for n in names], [False] * len(names),
+                   f"Dimensions in {unit}", None)
+        made.append((f"Dimensions in {unit}", f"{PLOTS}/dimensions_{unit}.png"))
     rewards = results.get("rewards", {})
     if rewards:
         names = list(rewards)

@@ -19,6 +19,9 @@ assigns to it when every prompt of the folder is in VBench's suite (``--prompt-s
 every video. Dimensions marked *proxy* use a weight-free model in place of VBench's (Farneback optical flow for RAFT /
 AMT-S) and are not comparable with published VBench numbers. Normalised scores and the Quality / Semantic / Total
 composites follow VBench's scripts; a composite with a missing dimension is reported as partial, without a value.
+Image-to-video dimensions (``first_frame_fidelity``, ``i2v_subject:/weights/dino-vitb16``) compare each video with the
+image it was generated from, named by its manifest line (``pipelines/generate.py --image`` or a prompt file with an
+``image`` per line records it); a video without one is skipped for those dimensions and listed.
 
 Rewards (``name`` or ``name:weights_folder``, any entry of the reward zoo; ``--reward-config run.yaml`` takes a
 training config's rewards): every output key, mean over valid videos; a failed reward call marks its videos invalid
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-from evaluation.inputs import EvalItem, Skipped, discover, load_video
+from evaluation.inputs import EvalItem, Skipped, discover, load_image, load_video
 
 RESULTS_FILE = "results.json"
 SCHEMA = 1
@@ -145,7 +148,10 @@ def _prompt_selection(mode: str, items: list[EvalItem], dims) -> dict[str, set[s
         if unknown:
             raise ValueError(f"--prompt-selection vbench: {len(unknown)} prompts are not in VBench's suite (e.g. "
                              f"{unknown[0]!r}); use --prompt-selection all")
-    return {d.name: set(prompts_for_dimension(d.name, suite)) for d in dims}
+    from genrl.eval.vbench import ALL_DIMENSIONS
+
+    # VBench assigns prompts to its own dimensions only; the image-to-video ones score every video with an image
+    return {d.name: set(prompts_for_dimension(d.name, suite)) if d.name in ALL_DIMENSIONS else None for d in dims}
 
 
 def _reward_manager(args):
@@ -290,7 +296,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     dist = _Distribution(args, Path(args.cache_dir) if args.cache_dir else Path.home() / ".cache" / "genrl" / "eval")
 
     metrics: dict[str, _Metric] = {d.name: _Metric(d.name, "dimension", info={
-        "proxy": bool(d.proxy), "description": d.description, "needs_weights": bool(d.needs_weights)}) for d in dims}
+        "proxy": bool(d.proxy), "description": d.description, "needs_weights": bool(d.needs_weights),
+        **({"needs_image": True} if d.needs_image else {}), **({"unit": d.unit} if d.unit else {})}) for d in dims}
     per_video: dict[str, dict[str, Any]] = {}
     reward_errors: dict[str, int] = defaultdict(int)
     pending: list[tuple[EvalItem, torch.Tensor]] = []
@@ -326,12 +333,18 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         rec = per_video[it.file] = {"file": it.file, "prompt": it.prompt, "seed": it.seed, "sample": it.sample,
                                     "fps": fps, "frames": int(frames.shape[0]), "height": int(frames.shape[2]),
                                     "width": int(frames.shape[3]), "dimensions": {}}
+        image: Any = None  # the conditioning image, read once per video for the dimensions that need it
         for d in dims:
             chosen = selection[d.name]
             if chosen is not None and it.prompt not in chosen:
                 continue
+            if d.needs_image and image is None:
+                image = _conditioning_image(it)
+            if d.needs_image and isinstance(image, str):
+                skipped.append(Skipped(it.file, image, d.name))
+                continue
             try:
-                r = d.score_video(frames, fps)
+                r = d.score_video(frames, fps, image) if d.needs_image else d.score_video(frames, fps)
             except ValueError as err:  # TooFewFrames and bad input for this dimension
                 skipped.append(Skipped(it.file, str(err), d.name))
                 continue
@@ -352,7 +365,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"schema": SCHEMA, "videos": str(videos), "out": str(out), "n_videos": len(evaluated),
                                "settings": {k: v for k, v in vars(args).items() if k != "func"},
                                "dimensions": {}, "rewards": {}}
-    from genrl.eval.vbench import composites, normalize
+    from genrl.eval.vbench import NORMALIZATION, composites, normalize
 
     for d in dims:
         m = metrics[d.name]
@@ -360,7 +373,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         score = d.aggregate([_result(v, w) for v, w in pairs]) if pairs else float("nan")
         results["dimensions"][d.name] = {
             **m.info, "score": score, "n": len(pairs),
-            "normalized": normalize(d.name, score) if math.isfinite(score) else None,
+            "normalized": normalize(d.name, score) if math.isfinite(score) and d.name in NORMALIZATION else None,
             "prompt_selection": "vbench" if selection[d.name] is not None else "all",
             **({"note": "no video of this folder has a prompt VBench assigns to this dimension: generate its prompts "
                         f"with `pipelines/generate.py --prompts vbench:{d.name}`, or score every video with "
@@ -399,6 +412,17 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
         write_report(results, out, samples=args.report_samples)
     return results
+
+
+def _conditioning_image(item: EvalItem) -> torch.Tensor | str:
+    """The item's conditioning image, uint8 [3, H, W], or why there is none (a reason for the skipped list)."""
+    if item.image is None:
+        return ("no conditioning image: the manifest line has no 'image' (an image-to-video dimension needs the "
+                "samples of pipelines/generate.py --image, or a prompt file with an 'image' per line)")
+    try:
+        return load_image(item.image)
+    except (FileNotFoundError, ValueError) as err:
+        return f"conditioning image unusable: {err}"
 
 
 def _generated_size(pixels: torch.Tensor, item: EvalItem) -> torch.Tensor:

@@ -107,3 +107,8 @@ def list_dimensions(argv: list[str] | None = None) -> None:
                 "; weights: " + ", ".join(getattr(cls, "weight_files", {}) or ["a local folder"])
                 if cls.needs_weights else "; no weights")
         print(f"{name:<24} {how}")
+    from genrl.eval.dimensions import I2V_DIMENSIONS
+
+    for name, cls in I2V_DIMENSIONS.items():
+        weights = ("weights: " + ", ".join(cls.weight_files)) if cls.needs_weights else "no weights"
+        print(f"{name:<24} image-to-video (needs each video's conditioning image); {weights}")

@@ -33,7 +33,8 @@ Prompts come from ``--prompt`` (repeatable) and / or
 an image) takes each prompt's first frame from ``--image`` (paired with the ``--prompt`` at the same position, or one
 for all) or from an ``image`` field per line of a ``.jsonl`` prompt file; missing files are refused before the model
 loads, images of another size than the sample's once the size is known (before anything is generated); the
-manifest records each prompt's image under ``metadata``.
+manifest records each prompt's image as given under ``metadata`` and as an absolute path under ``image`` (what
+``python -m evaluation run --dimension first_frame_fidelity`` compares the first frame with).
 
 Sampling is the deterministic ODE of :func:`genrl.rollout.sampler.rollout` (``--steps``, ``--cfg-scale``,
 ``--shift``; defaults: the sampler a genrl export or checkpoint recorded (``genrl_export.json``, or a checkpoint's
@@ -412,6 +413,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      **settings)
             if rec.metadata:
                 r["metadata"] = rec.metadata
+            if getattr(rec.prompt, "image", None):  # image-to-video: the absolute path, for evaluation/ to find
+                r["image"] = str(Path(rec.prompt.image).expanduser().resolve())
             plan.append(r)
 
     old = _read_manifest(out / "manifest.jsonl")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from genrl.eval.dimensions import (
     DIMENSIONS,
+    I2V_DIMENSIONS,
     AestheticQuality,
     BackgroundConsistency,
     DimensionResult,
@@ -268,10 +269,75 @@ def test_suite_and_dimension_lists():
     counts = {d: len(prompts_for_dimension(d, suite)) for d in NATIVE_DIMENSIONS}
     assert counts == {"subject_consistency": 72, "background_consistency": 86, "temporal_flickering": 75,
                       "motion_smoothness": 72, "aesthetic_quality": 93, "imaging_quality": 93, "dynamic_degree": 72}
-    assert len(ALL_DIMENSIONS) == 16 and set(DIMENSIONS) == set(NATIVE_DIMENSIONS)
+    assert len(ALL_DIMENSIONS) == 16 and set(DIMENSIONS) - set(I2V_DIMENSIONS) == set(NATIVE_DIMENSIONS)
+    assert set(I2V_DIMENSIONS) == {"first_frame_fidelity", "i2v_subject"} and not set(I2V_DIMENSIONS) & set(
+        ALL_DIMENSIONS)
     assert {d for d, cls in DIMENSIONS.items() if cls.proxy} == set(PROXY_DIMENSIONS)
     with pytest.raises(ValueError, match="unknown VBench dimension"):
         prompts_for_dimension("flicker", suite)
+
+
+# ------------------------------------------------------------------------------------------------ image-to-video
+
+def test_first_frame_fidelity_closed_form_sizes_and_errors():
+    dim = build_dimension("first_frame_fidelity")
+    g = torch.Generator().manual_seed(4)
+    image = torch.randint(0, 240, (3, 8, 10), generator=g, dtype=torch.uint8)
+    later = torch.randint(0, 256, (3, 3, 8, 10), generator=g, dtype=torch.uint8)
+    video = torch.cat([image[None], later])
+    r = dim.score_video(video, fps=8, image=image)
+    assert (r.value, r.weight, r.extras["mse"]) == (100.0, 1.0, 0.0)  # identical first frame: the cap
+    # every pixel of frame 0 off by 3: MSE 9; only frame 0 counts
+    shifted = torch.cat([(image + 3)[None], later.flip(0)])
+    r = dim.score_video(shifted, fps=8, image=image)
+    assert r.value == pytest.approx(10 * math.log10(255**2 / 9), abs=1e-9) and r.extras["mae"] == 3.0
+    # half the pixels off by 10 (rows 0-3): MSE 50
+    half = image.clone()
+    half[:, :4] += 10
+    assert dim.score_video(half[None], fps=8, image=image).value == pytest.approx(10 * math.log10(255**2 / 50))
+    # a 3x nearest-neighbour enlargement (write_video's playback size) is box-averaged back exactly
+    big = (image + 3).repeat_interleave(3, 1).repeat_interleave(3, 2)
+    assert dim.score_video(big[None], fps=8, image=image).extras["mse"] == pytest.approx(9.0, abs=1e-12)
+    # another size: bilinear with antialiasing to the image's size
+    odd = torch.randint(0, 256, (1, 3, 12, 14), generator=g, dtype=torch.uint8)
+    ref = F.interpolate(odd.double(), size=(8, 10), mode="bilinear", align_corners=False, antialias=True)[0]
+    mse = float((ref - image.double()).pow(2).mean())
+    assert dim.score_video(odd, fps=8, image=image).value == pytest.approx(10 * math.log10(255**2 / mse), abs=1e-9)
+    assert build_dimension("first_frame_fidelity", max_db=40.0).score_video(video, 8, image).value == 40.0
+    with pytest.raises(ValueError, match="pass image="):
+        dim.score_video(video, fps=8)
+    with pytest.raises(ValueError, match=r"image must be uint8 \[3, H, W\].*float32"):
+        dim.score_video(video, fps=8, image=image.float())
+    with pytest.raises(ValueError, match="max_db must be > 0"):
+        build_dimension("first_frame_fidelity", max_db=0)
+    # a text-only dimension ignores an image
+    flicker = build_dimension("temporal_flickering")
+    assert flicker.score_video(video, 8, image=image).value == flicker.score_video(video, 8).value
+
+
+def test_i2v_subject_is_vbench_i2v_formula(tiny):
+    dim = build_dimension("i2v_subject", path=tiny["subject_consistency"])
+    g = torch.Generator().manual_seed(5)
+    image = torch.randint(0, 256, (3, 64, 80), generator=g, dtype=torch.uint8)
+    # a frozen video of the image at the model's size: every cosine 1 (no resize on either path)
+    r = dim.score_video(image[None].expand(4, -1, -1, -1).contiguous(), fps=8, image=image)
+    assert (r.value, r.weight) == (1.0, 1.0) and r.extras["conformity"] == [1.0] * 4
+    video = torch.randint(0, 256, (5, 3, 64, 80), generator=g, dtype=torch.uint8)
+    big = image.repeat_interleave(2, 1).repeat_interleave(2, 2)  # the image at twice the size: antialiased resize
+    f = F.normalize(dim.encoder.features(video).double(), dim=-1)
+    x = F.interpolate(big[None].double(), size=(64, 80), mode="bilinear", align_corners=False, antialias=True)
+    x = (x / 255 - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1).double()) / torch.tensor(
+        [0.229, 0.224, 0.225]).view(1, 3, 1, 1).double()
+    gi = dim.encoder.model(pixel_values=x.float(), interpolate_pos_encoding=True).last_hidden_state[0, 0].double()
+    gi = F.normalize(gi, dim=-1)
+    conformity = [max(0.0, float(f[t] @ gi)) for t in range(5)]
+    consecutive = [max(0.0, float(f[t] @ f[t - 1])) for t in range(1, 5)]
+    expected = 0.5 * max(conformity) + 0.5 * sum(consecutive) / 4
+    r = dim.score_video(video, fps=8, image=big)
+    assert r.value == pytest.approx(expected, abs=1e-5) and r.value < 1.0
+    assert r.extras["conformity"] == pytest.approx(conformity, abs=1e-5)
+    with pytest.raises(TooFewFrames):
+        dim.score_video(video[:1], fps=8, image=image)
 
 
 # ------------------------------------------------------------------------------------------------------ error paths

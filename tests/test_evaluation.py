@@ -201,6 +201,52 @@ def test_bad_input_is_an_error_or_skipped_and_reported(tmp_path):
     assert prompt_from_vbench_name("clip.mp4") is None
 
 
+# ------------------------------------------------------------------------------------------------ image-to-video
+def test_image_dimensions_read_each_videos_image_from_the_manifest(tmp_path):
+    """first_frame_fidelity gets each video's own image (manifest ``image``, absolute, or ``metadata.image``,
+    relative to the manifest); a video without one, or with a missing file, is skipped for it and listed, and still
+    scored on the other dimensions."""
+    from PIL import Image
+
+    from genrl.eval.dimensions.i2v import frame_at_image_size, psnr
+
+    videos = tmp_path / "v"
+    (videos / "imgs").mkdir(parents=True)
+    for i in range(4):
+        _write(videos / f"{i:05d}.mp4", 6, seed=i)
+    images = [torch.randint(0, 256, (16, 16, 3), generator=torch.Generator().manual_seed(10 + i), dtype=torch.uint8)
+              for i in range(2)]
+    Image.fromarray(images[0].numpy()).save(tmp_path / "a.png")
+    Image.fromarray(images[1].numpy()).save(videos / "imgs" / "b.png")
+    lines = [{"file": "00000.mp4", "prompt": "p0", "image": str(tmp_path / "a.png")},
+             {"file": "00001.mp4", "prompt": "p1", "metadata": {"image": "imgs/b.png"}},
+             {"file": "00002.mp4", "prompt": "p2"},
+             {"file": "00003.mp4", "prompt": "p3", "image": str(tmp_path / "gone.png")}]
+    (videos / "manifest.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    results = _run(videos, "--dimension", "first_frame_fidelity", "--dimension", "temporal_flickering")
+    items, _ = discover(videos)
+    per_video = {v["file"]: v["dimensions"] for v in results["per_video"]}
+    for it, image in zip(items[:2], images, strict=True):
+        frame = load_video(it)[0][0]  # write_video enlarged the 16 px clip 4x for playback: averaged back
+        assert frame.shape[-1] == 64
+        expected, _ = psnr(frame_at_image_size(frame, 16, 16), image.permute(2, 0, 1))
+        assert per_video[it.file]["first_frame_fidelity"] == pytest.approx(expected, abs=1e-9)
+    assert per_video["00000.mp4"]["first_frame_fidelity"] != per_video["00001.mp4"]["first_frame_fidelity"]
+    d = results["dimensions"]["first_frame_fidelity"]
+    assert d["n"] == 2 and d["needs_image"] and d["normalized"] is None and d["prompt_selection"] == "all"
+    assert d["score"] == pytest.approx(statistics.fmean(per_video[f"0000{i}.mp4"]["first_frame_fidelity"]
+                                                        for i in range(2)))
+    skipped = {(s["file"], s.get("metric")): s["reason"] for s in results["skipped"]}
+    assert skipped[("00002.mp4", "first_frame_fidelity")].startswith("no conditioning image")
+    assert "gone.png" in skipped[("00003.mp4", "first_frame_fidelity")]
+    assert results["dimensions"]["temporal_flickering"]["n"] == 4 and len(skipped) == 2
+    # PSNR is in dB, not a fraction: plotted on its own axis, the [0, 1] dimensions on theirs
+    assert d["unit"] == "dB" and "unit" not in results["dimensions"]["temporal_flickering"]
+    report = (videos / "eval" / "report.md").read_text()
+    assert "plots/dimensions_dB.png" in report and "plots/dimensions.png" in report
+    assert (videos / "eval" / "plots" / "dimensions_dB.png").is_file()
+
+
 # ------------------------------------------------------------------------------------------------- FVD / FID
 @pytest.fixture(scope="module")
 def clip_folders(tmp_path_factory) -> dict[str, Path]:

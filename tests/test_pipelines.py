@@ -126,6 +126,11 @@ def test_generate_image_to_video_with_image_flags(tmp_path, monkeypatch):
     records = generate.main(common + ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--image",
                                       str(tmp_path / "first.png"), "--out", str(tmp_path / "out")])
     assert [r["metadata"]["image"] for r in records] == [str(tmp_path / "first.png")] * 2
+    assert [r["image"] for r in records] == [str((tmp_path / "first.png").resolve())] * 2
+    from evaluation.run import main as evaluate  # the manifest leads evaluation/ to each video's image
+
+    scored = evaluate(["--videos", str(tmp_path / "out"), "--dimension", "first_frame_fidelity", "--no-report"])
+    assert scored["dimensions"]["first_frame_fidelity"]["n"] == 2 and not scored["skipped"]
     video = read_video(tmp_path / "out" / records[0]["file"], num_frames=5, size=(32, 32))
     from genrl.models.loading import load_generator
 

@@ -61,6 +61,7 @@ def build_tiny_aesthetic_v1(folder: str | Path, seed: int = 0, vision_only: bool
 #: dimension name -> its tiny builder (the weight-free dimensions need none; imaging_quality's MUSIQ has none)
 TINY_BUILDERS: dict[str, Callable[..., Path]] = {
     "subject_consistency": build_tiny_vit,
+    "i2v_subject": build_tiny_vit,
     "background_consistency": build_tiny_clip_vision,
     "aesthetic_quality": build_tiny_aesthetic_v1,
 }

@@ -15,6 +15,14 @@ videos with ``dim.aggregate(results)`` (VBench's weighted mean). Build them by n
 | ``aesthetic_quality`` | CLIP ViT-L/14 + LAION v1 linear head | ``clip/``, ``sa_0_4_vit_l_14_linear.pth`` | no |
 | ``imaging_quality`` | MUSIQ-SPAQ (needs ``pyiqa``) | ``musiq_spaq_ckpt-358bb6af.pth`` | no |
 
+Image-to-video dimensions (``needs_image``: ``score_video(frames, fps, image=...)``, see
+:mod:`genrl.eval.dimensions.i2v`):
+
+| name | model | weights (``path``) | source |
+|---|---|---|---|
+| ``first_frame_fidelity`` | none (PSNR of frame 0 vs the image) | none | genrl |
+| ``i2v_subject`` | DINO ViT-B/16, as subject consistency | ``config.json``, ``model.safetensors`` | VBench-I2V |
+
 Proxy dimensions keep VBench's rules around a different model: comparable between genrl runs, not with published
 VBench numbers. The semantic dimensions run only in the official ``vbench`` package (see
 :data:`genrl.eval.vbench.ALL_DIMENSIONS`). Nothing is downloaded: weights come from local folders.
@@ -31,17 +39,20 @@ from genrl.eval.dimensions.aesthetic import AestheticQuality
 from genrl.eval.dimensions.base import Dimension, DimensionResult, TooFewFrames
 from genrl.eval.dimensions.consistency import BackgroundConsistency, SubjectConsistency
 from genrl.eval.dimensions.flicker import TemporalFlickering
+from genrl.eval.dimensions.i2v import FirstFrameFidelity, I2VSubject
 from genrl.eval.dimensions.imaging import ImagingQuality
 from genrl.eval.dimensions.motion import DynamicDegree, MotionSmoothness
 
 __all__ = ["TooFewFrames", "DimensionResult", "Dimension", "DIMENSIONS", "build_dimension", "TemporalFlickering",
            "DynamicDegree", "MotionSmoothness", "SubjectConsistency", "BackgroundConsistency", "AestheticQuality",
-           "ImagingQuality"]
+           "ImagingQuality", "FirstFrameFidelity", "I2VSubject", "I2V_DIMENSIONS"]
 
-#: VBench key -> dimension class (the natively implemented quality dimensions)
-DIMENSIONS: dict[str, type[Dimension]] = {cls.name: cls for cls in (
+#: image-to-video dimensions (they need each video's conditioning image)
+I2V_DIMENSIONS: dict[str, type[Dimension]] = {cls.name: cls for cls in (FirstFrameFidelity, I2VSubject)}
+#: name -> dimension class: the natively implemented VBench quality dimensions, then the image-to-video ones
+DIMENSIONS: dict[str, type[Dimension]] = {**{cls.name: cls for cls in (
     SubjectConsistency, BackgroundConsistency, TemporalFlickering, MotionSmoothness, DynamicDegree,
-    AestheticQuality, ImagingQuality)}
+    AestheticQuality, ImagingQuality)}, **I2V_DIMENSIONS}
 
 
 def build_dimension(name: str, path: str | Path | None = None, device: str | torch.device = "cpu",

@@ -28,8 +28,8 @@ from torch import Tensor
 from genrl.rewards.clip_rewards import as_dtype, freeze, preprocessor_norm, projected_embedding
 from genrl.rewards.preprocess import center_crop, normalize
 
-__all__ = ["TooFewFrames", "DimensionResult", "Dimension", "check_frames", "check_fps", "resize_shorter_side",
-           "require_files", "load_clip_image_encoder", "clip_image_embeddings"]
+__all__ = ["TooFewFrames", "DimensionResult", "Dimension", "check_frames", "check_image", "check_fps",
+           "resize_shorter_side", "require_files", "load_clip_image_encoder", "clip_image_embeddings"]
 
 
 class TooFewFrames(ValueError):
@@ -86,6 +86,22 @@ def check_frames(frames: Any, name: str) -> Tensor:
     if frames.shape[0] == 0:
         raise ValueError(f"dimension {name!r}: the video has no frames (T = 0)")
     return frames
+
+
+def check_image(image: Any, name: str) -> Tensor:
+    """Validate the conditioning image of an image-to-video dimension; returns it unchanged.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: not uint8 ``[3, H, W]`` RGB (the message says how to convert a PIL image or float pixels).
+    """
+    if not isinstance(image, Tensor):
+        raise TypeError(f"dimension {name!r}: image must be a torch.Tensor uint8 [3, H, W], got {type(image).__name__}"
+                        f" (a PIL image: torch.from_numpy(numpy.asarray(im.convert('RGB'))).permute(2, 0, 1))")
+    if image.ndim != 3 or image.shape[0] != 3 or image.dtype != torch.uint8:
+        raise ValueError(f"dimension {name!r}: image must be uint8 [3, H, W] RGB (0-255), got {image.dtype} of shape "
+                         f"{tuple(image.shape)}")
+    return image
 
 
 def check_fps(fps: Any, name: str) -> float:
@@ -150,6 +166,9 @@ class Dimension(abc.ABC):
         proxy: True when the model differs from VBench's (Farneback flow instead of RAFT / AMT-S): such scores are
             labelled "proxy" and are not comparable with published VBench numbers.
         needs_weights: True when ``path`` (a local weights folder) is required.
+        needs_image: True for an image-to-video dimension: :meth:`score_video` needs the conditioning image (the
+            first frame the video was generated from) and :meth:`_score` receives it as a third argument.
+        unit: the score's unit when it is not a fraction in [0, 1] (``"dB"``), else ``""``.
         min_frames: the least T :meth:`score_video` accepts.
         description: one line for reports.
         weight_files: the layout of the weights folder (glob -> what), for errors and listings.
@@ -160,6 +179,8 @@ class Dimension(abc.ABC):
     name: ClassVar[str] = ""
     proxy: ClassVar[bool] = False
     needs_weights: ClassVar[bool] = False
+    needs_image: ClassVar[bool] = False
+    unit: ClassVar[str] = ""
     min_frames: ClassVar[int] = 1
     description: ClassVar[str] = ""
     weight_files: ClassVar[dict[str, str]] = {}
@@ -167,23 +188,31 @@ class Dimension(abc.ABC):
     def __init__(self) -> None:
         self.device = torch.device("cpu")
 
-    def score_video(self, frames: Tensor, fps: float) -> DimensionResult:
+    def score_video(self, frames: Tensor, fps: float, image: Tensor | None = None) -> DimensionResult:
         """Score one video.
 
         Args:
             frames: uint8 [T, 3, H, W] RGB (CPU expected; moved to the dimension's device where a model runs).
             fps: the video's frame rate (frames / s, > 0); only dynamic degree uses it.
+            image: the conditioning image of an image-to-video sample, uint8 [3, H', W'] RGB (any size); required
+                by the dimensions with :attr:`needs_image`, ignored by the others.
         Returns:
             a :class:`DimensionResult`.
         Raises:
-            TypeError / ValueError: bad frames or fps (the message says what is expected).
+            TypeError / ValueError: bad frames, fps or image (the message says what is expected); no image for a
+                dimension that needs one.
             TooFewFrames: T < :attr:`min_frames` (or too few after resampling).
         """
         check_frames(frames, self.name)
         fps = check_fps(fps, self.name)
         if frames.shape[0] < self.min_frames:
             raise TooFewFrames(self.name, frames.shape[0], self.min_frames)
-        return self._score(frames, fps)
+        if not self.needs_image:
+            return self._score(frames, fps)
+        if image is None:
+            raise ValueError(f"dimension {self.name!r} compares a video with the image it was generated from: pass "
+                             f"image= (uint8 [3, H, W]); evaluation/run.py reads it from the manifest's 'image'")
+        return self._score(frames, fps, check_image(image, self.name))
 
     @abc.abstractmethod
     def _score(self, frames: Tensor, fps: float) -> DimensionResult:

@@ -132,13 +132,15 @@ class SubjectConsistency(Dimension):
         self.path, self.max_batch, self.antialias = str(folder), int(max_batch), bool(antialias)
         self.size = int(size) if size is not None else int(self.model.config.image_size)
 
-    def features(self, frames: Tensor) -> Tensor:
-        """DINO CLS features of uint8 [T, 3, H, W] frames: float32 [T, D] on the model's device (unnormalised)."""
+    def features(self, frames: Tensor, antialias: bool | None = None) -> Tensor:
+        """DINO CLS features of uint8 [T, 3, H, W] frames: float32 [T, D] on the model's device (unnormalised).
+        ``antialias`` overrides the dimension's for this call (an image resized as PIL does)."""
         p = next(self.model.parameters())
+        antialias = self.antialias if antialias is None else bool(antialias)
         out = []
         with torch.no_grad():
             for chunk in frames.split(self.max_batch):
-                x = resize_shorter_side(chunk.to(p.device).float(), self.size, "bilinear", self.antialias)
+                x = resize_shorter_side(chunk.to(p.device).float(), self.size, "bilinear", antialias)
                 x = normalize(x.div(255.0), IMAGENET_MEAN, IMAGENET_STD).to(p.dtype)
                 hidden = self.model(pixel_values=x, interpolate_pos_encoding=True).last_hidden_state
                 out.append(hidden[:, 0].float())
