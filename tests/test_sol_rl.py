@@ -72,8 +72,8 @@ def test_the_pool_is_previewed_k_per_prompt_kept_and_only_those_regenerated(tmp_
     scores = []
     real_select = preview_module.select_candidates
     monkeypatch.setattr(preview_module, "select_candidates",
-                        lambda r, k, mode, generator=None: scores.append(r.clone()) or real_select(r, k, mode,
-                                                                                                 generator))
+                        lambda r, k, mode, generator=None, valid=None: scores.append(r.clone()) or real_select(
+                            r, k, mode, generator, valid=valid))
     cli = _cli(["--trainer.max_steps=2", "--trainer.limit_val_batches=0"])
     cli.model.configure_model()
     before = _params(cli)
@@ -98,6 +98,40 @@ def test_the_pool_is_previewed_k_per_prompt_kept_and_only_those_regenerated(tmp_
     assert float(m["preview/max_weight_change"]) > 0  # the copy followed the trained old policy
     ro = cli.model.roles.get("rollout")
     assert ro.precision.format == "bf16" and not any(k.startswith("frozen.") for k in cli.model.state_dict())
+
+
+def test_a_failed_preview_reward_is_never_kept(tmp_path, monkeypatch):
+    """The preview reward of each prompt's first candidate fails (valid False, NaN): with keep 2 of 6, the kept rows
+    are the best and the worst of the five valid candidates, never the failed one (issue 51's failed-reward
+    invariant, through the method)."""
+    import dataclasses
+
+    monkeypatch.chdir(tmp_path)
+    spy = _Spy(monkeypatch)
+    cli = _cli(["--trainer.max_steps=1", "--trainer.limit_val_batches=0"])
+    cli.model.configure_model()
+    real_forward = type(cli.model.scorer).forward
+    seen = []
+
+    def failing_forward(self, pixels, prompts, *args, **kw):
+        res = real_forward(self, pixels, prompts, *args, **kw)
+        if len(prompts) == 12:  # the preview pool (2 prompts x 6); the regeneration scores 4
+            valid, total = res.valid.clone(), res.total.clone()
+            valid[[0, 6]], total[[0, 6]] = False, math.nan
+            res = dataclasses.replace(res, valid=valid, total=total)
+            seen.append(total.clone())
+        return res
+
+    monkeypatch.setattr(type(cli.model.scorer), "forward", failing_forward)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    pv, rg = spy.preview[0], spy.regenerated[0]
+    for g in range(2):
+        pool = pv["index"][6 * g: 6 * (g + 1)]
+        r = seen[0][6 * g: 6 * (g + 1)]
+        kept = set(rg["index"][2 * g: 2 * (g + 1)].tolist())
+        assert int(pool[0]) not in kept
+        valid_r = r[1:]
+        assert kept == {int(pool[1 + int(valid_r.argmax())]), int(pool[1 + int(valid_r.argmin())])}
 
 
 def test_a_regeneration_at_the_preview_precision_and_steps_reproduces_it_bitwise(tmp_path, monkeypatch):
@@ -198,7 +232,7 @@ def test_binary_preview_rewards_regenerate_distinct_candidates(tmp_path, monkeyp
     real_select = preview_module.select_candidates
     binary = torch.tensor([[0.0] * 6, [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     monkeypatch.setattr(preview_module, "select_candidates",
-                        lambda r, k, mode, generator=None: real_select(binary, k, mode, generator))
+                        lambda r, k, mode, generator=None, valid=None: real_select(binary, k, mode, generator))
     cli = _cli(["--trainer.max_steps=1", "--trainer.limit_val_batches=0", "--model.init_args.preview.keep=4"])
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     pv, rg = spy.preview[0], spy.regenerated[0]

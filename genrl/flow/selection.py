@@ -145,6 +145,7 @@ def select_candidates(
     k: int,
     mode: SelectionMode = "best_worst",
     generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indices of the K candidates (of N per prompt) to regenerate and train on, from their preview rewards.
 
@@ -173,6 +174,11 @@ def select_candidates(
         k: how many to keep per prompt, 1 <= k <= N.
         mode: one of `SELECTION_MODES`.
         generator: a ``torch.Generator``; required for ``"random"``, ignored by the other modes.
+        valid: optional bool mask of the rewards' shape: False marks a failed preview reward (its value may be NaN
+            or infinite). A failed candidate is never selected while its row has k valid ones: such a row's
+            selection is the selection on the row without its failed candidates (mapped back to columns of N);
+            a row with fewer than k valid candidates keeps all of them and fills up with its failed ones of lowest
+            index. Rows are then selected one at a time (in ``"random"`` mode the generator is drawn row by row).
 
     Returns:
         int64 [G, k] (or [k] for 1-d rewards) indices into N, sorted ascending in each row, distinct within a
@@ -180,16 +186,22 @@ def select_candidates(
 
     Raises:
         ValueError: rewards not a real [N] / [G, N] tensor; k not an integer in [1, N] (the message names k
-            and N); a NaN or +-inf reward (the message names the rows; NaN is not treated as "lowest": a
-            failed preview would then always be selected as a "worst" candidate, so replace failures with a
-            finite reward first); unknown mode (the message lists the modes); ``"random"`` without a
-            ``torch.Generator``.
+            and N); a NaN or +-inf reward on a valid candidate (the message names the rows; NaN is not treated
+            as "lowest": a failed preview would then always be selected as a "worst" candidate, so mark failures
+            with ``valid``); ``valid`` not a bool tensor of the rewards' shape; unknown mode (the message lists
+            the modes); ``"random"`` without a ``torch.Generator``.
 
     Source: Li, Chen, Xue et al. 2026, Sol-RL (arXiv 2604.06916, best / worst preview selection);
     Xu et al. 2025, PODS (arXiv 2504.13818, max-variance down-sampling).
     """
     if mode not in SELECTION_MODES:
         raise ValueError(f"unknown selection mode {mode!r}; expected one of {SELECTION_MODES}")
+    if valid is not None:
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.shape != rewards.shape:
+            raise ValueError(f"valid must be a bool tensor of the rewards' shape {tuple(rewards.shape)}, got "
+                             f"{getattr(valid, 'dtype', type(valid).__name__)} {tuple(getattr(valid, 'shape', ()))}")
+        if not bool(valid.all()):
+            return _select_valid(rewards, k, mode, generator, valid)
     r, one_d = _as_rows(rewards)
     g, n = r.shape
     k = _check_k(k, n)
@@ -220,6 +232,23 @@ def select_candidates(
         else:
             n_top = _max_variance_split(s, k)
         idx = _gather_sorted(perm, _split_positions(n, k, n_top), k)
+    return idx[0] if one_d else idx
+
+
+def _select_valid(rewards: torch.Tensor, k: int, mode: SelectionMode, generator: torch.Generator | None,
+                  valid: torch.Tensor) -> torch.Tensor:
+    """:func:`select_candidates` with failed candidates (``valid`` False): row by row on the valid ones."""
+    r, one_d = _as_rows(rewards)
+    ok = valid.reshape(r.shape)
+    k = _check_k(k, r.shape[1])
+    rows = []
+    for row, mask in zip(r, ok.to(r.device)):
+        good = mask.nonzero().flatten()
+        if good.numel() >= k:
+            rows.append(good[select_candidates(row[good], k, mode, generator)])
+        else:  # too few valid: all of them, then the failed ones of lowest index
+            rows.append(torch.cat([good, (~mask).nonzero().flatten()[: k - good.numel()]]).sort().values)
+    idx = torch.stack(rows)
     return idx[0] if one_d else idx
 
 

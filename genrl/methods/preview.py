@@ -188,13 +188,10 @@ def select_batch(method: LightningModule, prompts: list[str], index: torch.Tenso
         raise RuntimeError(f"iteration {iteration}: every preview reward is invalid (NaN); the reward model is failing "
                            f"(see the logged warnings)")
     rows = torch.stack(groups)  # [G, N]
-    rewards = total[rows].double()
-    ok = valid[rows]
-    # a failed preview reward ranks at its prompt's mean: neither best nor worst (all failed: 0 everywhere)
-    fill = torch.where(ok, rewards, 0.0).sum(1, keepdim=True) / ok.sum(1, keepdim=True).clamp_min(1)
-    rewards = torch.where(ok, rewards, fill.expand_as(rewards))
+    # a failed preview is never selected while its prompt has K valid candidates (select_candidates' valid)
     rng = torch.Generator().manual_seed(mix_seed(method.hparams.seed, iteration, _STREAM_SELECT, int(index[0])))
-    chosen = select_candidates(rewards, pv.keep, pv.selection, generator=rng)  # [G, K] columns, ascending
+    chosen = select_candidates(total[rows].double(), pv.keep, pv.selection, generator=rng,
+                               valid=valid[rows])  # [G, K] columns, ascending
     kept = rows.gather(1, chosen).reshape(-1)
     seconds = time.perf_counter() - start
     g_total = gather_batch(method, total.to(method.device)).cpu()
