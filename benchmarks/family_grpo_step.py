@@ -21,7 +21,14 @@ What it measures (one JSON line on stdout, also appended to --out when given):
   step of one sample, clipped loss, backward, AdamW on the LoRA weights), with gradient checkpointing, and the
   CUDA peak memory of the whole measurement (``rollout_peak_gib``: up to and with the decode;
   ``grpo_peak_gib``: the GRPO steps alone, with the weights and trajectory still held);
-- ``decode_s``: VAE decode of the rollout.
+- ``decode_s``: VAE decode of the rollout's first sample (the first, cold decode call);
+- ``grpo_iteration``: GRPO iteration throughput at the stated batch and size (issue 50; docs/gpu_suite.md,
+  "Throughput protocol"): ``per_gpu_s`` = batch / (``rollout_s`` + ``decode_s`` (the whole batch, warm) +
+  ``reward_s`` + ``update_s``) videos (or images) per GPU-second, with each part's seconds. The reward is a
+  stand-in (genrl's ``brightness``: pixel statistics, milliseconds); a learned reward model costs more and is
+  not measured here. ``update_s`` is the whole batch's GRPO update (every trained step of every sample, backward,
+  AdamW step), timed after a warm-up step; at batch 1 it is ``grpo_step_s``. Build, encoding and warm-ups are
+  not counted.
 
 ``--fsdp2`` shards the transformer with FSDP2 first (one process: what the FSDP2 profile does on one GPU), so the
 step and peak include FSDP2's gathers and its sharded LoRA optimizer state.
@@ -272,6 +279,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def build_family(args: argparse.Namespace) -> dict:
+    """Build ``args.family`` at real (or ``--tiny``) size with LoRA on the best device, as :func:`measure` does.
+
+    Args:
+        args: the namespace of :func:`parse_args` (family, tiny, lora_rank, no_grad_ckpt, dtype, height / width /
+            frames overrides, fsdp2, batch: the number of prompts).
+    Returns:
+        ``{"gen", "device" ("cuda" or "cpu"), "dtype" (name; "float32" off CUDA), "size" (height, width,
+        num_frames), "build_s" (seconds), "n_params" (frozen transformer parameters), "prompts" (``args.batch``
+        prompts; image-to-video families get one random first frame each)}``; gradient checkpointing is on unless
+        ``--no-grad-ckpt``.
+    Raises:
+        KeyError: an unknown family (the parser's choices prevent it).
+    """
+    from genrl.models.families import GeneratorSpec, build_generator
+    from genrl.models.lora import LoraSpec
+    from genrl.testing.families import TINY, TINY_SIZE
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype if device == "cuda" else "float32"
+    comps, size = (TINY[args.family], TINY_SIZE[args.family]) if args.tiny else (REAL[args.family], SIZES[args.family])
+    size = {k: v for k, v in size.items() if k in ("height", "width", "num_frames")}
+    for key, value in (("height", args.height), ("width", args.width), ("num_frames", args.frames)):
+        if value is not None:
+            size[key] = value
+    t0 = time.perf_counter()
+    tokens = TEXT_TOKENS.get(args.family, 64) if not args.tiny else 16
+    gen = build_generator(GeneratorSpec(family=args.family, components=comps, torch_dtype=dtype,
+                                        gradient_checkpointing=not args.no_grad_ckpt, max_sequence_length=tokens,
+                                        **size))
+    LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank).add_to(gen)
+    gen.to(device)
+    if getattr(args, "fsdp2", False):
+        _shard_alone(gen.transformer, device)
+    build_s = time.perf_counter() - t0
+    n_params = sum(q.numel() for q in gen.transformer.parameters() if not q.requires_grad)
+    prompts = ["a red circle moving left"] * args.batch
+    if args.family in IMAGE_TO_VIDEO:  # one random first frame of the sample size, shared by the batch
+        from genrl.models.conditions import Prompt
+
+        frame = torch.rand(3, gen.height, gen.width, generator=torch.Generator().manual_seed(0))
+        prompts = [Prompt(p, frame) for p in prompts]
+    return {"gen": gen, "device": device, "dtype": dtype, "size": size, "build_s": build_s, "n_params": n_params,
+            "prompts": prompts}
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Build the family at real (or ``--tiny``) size with LoRA and time raw forward, rollout, decode, GRPO step.
 
@@ -285,37 +338,14 @@ def measure(args: argparse.Namespace) -> dict:
     """
     from genrl.flow.policy import clipped_policy_loss
     from genrl.models.conditions import null_prompts
-    from genrl.models.families import GeneratorSpec, build_generator
-    from genrl.models.lora import LoraSpec
+    from genrl.rewards.brightness import BrightnessReward
     from genrl.rollout.sampler import RolloutConfig, guided_velocity, rollout, transition_log_prob
-    from genrl.testing.families import TINY, TINY_SIZE
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype if device == "cuda" else "float32"
-    if device == "cuda":
+    if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    comps, size = (TINY[args.family], TINY_SIZE[args.family]) if args.tiny else (REAL[args.family], SIZES[args.family])
-    size = {k: v for k, v in size.items() if k in ("height", "width", "num_frames")}
-    for key, value in (("height", args.height), ("width", args.width), ("num_frames", args.frames)):
-        if value is not None:
-            size[key] = value
-    t0 = time.perf_counter()
-    tokens = TEXT_TOKENS.get(args.family, 64) if not args.tiny else 16
-    gen = build_generator(GeneratorSpec(family=args.family, components=comps, torch_dtype=dtype,
-                                        gradient_checkpointing=not args.no_grad_ckpt, max_sequence_length=tokens,
-                                        **size))
-    LoraSpec(rank=args.lora_rank, alpha=2 * args.lora_rank).add_to(gen)
-    gen.to(device)
-    if args.fsdp2:
-        _shard_alone(gen.transformer, device)
-    build_s = time.perf_counter() - t0
-    n_params = sum(q.numel() for q in gen.transformer.parameters() if not q.requires_grad)
-    prompts = ["a red circle moving left"] * args.batch
-    if args.family in IMAGE_TO_VIDEO:  # one random first frame of the sample size, shared by the batch
-        from genrl.models.conditions import Prompt
-
-        frame = torch.rand(3, gen.height, gen.width, generator=torch.Generator().manual_seed(0))
-        prompts = [Prompt(p, frame) for p in prompts]
+    built = build_family(args)
+    gen, device, dtype, size = built["gen"], built["device"], built["dtype"], built["size"]
+    build_s, n_params, prompts = built["build_s"], built["n_params"], built["prompts"]
     config = RolloutConfig(num_steps=args.steps, shift=3.0, kernel="flow_grpo", cfg_scale=args.cfg_scale,
                            sde_steps="prefix", num_sde_steps=args.trained_steps, micro_batch_size=args.batch)
     cond = gen.encode_prompts(prompts)
@@ -347,6 +377,21 @@ def measure(args: argparse.Namespace) -> dict:
     _sync()
     decode_s = time.perf_counter() - t
 
+    # the iteration's other parts (decode_s above is the first, cold call on one sample): decode of the whole batch
+    # (warm), and the stand-in reward on it
+    _sync()
+    t = time.perf_counter()
+    pixels = gen.decode(traj.final)
+    _sync()
+    decode_batch_s = time.perf_counter() - t
+    reward_fn = BrightnessReward()
+    _sync()
+    t = time.perf_counter()
+    reward_fn(pixels, [str(p) for p in traj.prompts])
+    _sync()
+    reward_s = time.perf_counter() - t
+    del pixels
+
     rollout_peak = _peak_gib(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -368,6 +413,23 @@ def measure(args: argparse.Namespace) -> dict:
         opt.zero_grad()
         _sync()
         times.append(time.perf_counter() - t)
+    grpo_peak = _peak_gib(device)
+    update_s, update_peak = times[-1], grpo_peak  # one sample: the step above is the whole batch's update
+    if args.batch > 1:  # the update of the whole batch, as GRPO's first optimizer step (after the warm-up above)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        adv_b = torch.ones(args.batch, device=device)
+        _sync()
+        t = time.perf_counter()
+        for k in traj.sde_steps:
+            lp, _, _ = transition_log_prob(gen, traj, k, cond, uncond)
+            loss, _ = clipped_policy_loss(lp, traj.log_probs[:, k].to(lp.device), adv_b, clip_range=1e-4)
+            (loss.mean() / len(traj.sde_steps)).backward()
+        opt.step()
+        opt.zero_grad()
+        _sync()
+        update_s, update_peak = time.perf_counter() - t, _peak_gib(device)
+    iteration_s = rollout_s + decode_batch_s + reward_s + update_s
     result = {
         "family": args.family, "tiny": args.tiny, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "dtype": dtype, "params": n_params, **size, "latent_shape": list(gen.latent_shape), "batch": args.batch,
@@ -377,8 +439,17 @@ def measure(args: argparse.Namespace) -> dict:
         "decode_s": round(decode_s, 3), "trained_steps": len(traj.sde_steps),
         "grpo_step_s": round(times[-1], 3), "grad_ckpt": not args.no_grad_ckpt, "lora_rank": args.lora_rank,
         "fsdp2": bool(args.fsdp2),
-        "peak_gib": None if device != "cuda" else max(rollout_peak, _peak_gib(device)),
-        "rollout_peak_gib": rollout_peak, "grpo_peak_gib": _peak_gib(device),
+        "peak_gib": None if device != "cuda" else max(rollout_peak, grpo_peak, update_peak),
+        "rollout_peak_gib": rollout_peak, "grpo_peak_gib": grpo_peak,
+        "grpo_iteration": {
+            "unit": "videos" if size.get("num_frames", 1) > 1 else "images", "batch": args.batch,
+            "height": size.get("height"), "width": size.get("width"), "num_frames": size.get("num_frames", 1),
+            "steps": args.steps, "trained_steps": len(traj.sde_steps), "cfg_scale": args.cfg_scale,
+            "rollout_s": round(rollout_s, 3), "decode_s": round(decode_batch_s, 3), "reward_s": round(reward_s, 4),
+            "reward": "brightness (a pixel-statistics stand-in; a learned reward model costs more)",
+            "update_s": round(update_s, 3), "update_peak_gib": update_peak, "iteration_s": round(iteration_s, 3),
+            "per_gpu_s": round(args.batch / iteration_s, 5),
+        },
         "torch": torch.__version__,
     }
     return result

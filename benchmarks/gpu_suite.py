@@ -13,6 +13,15 @@ Sections, in order (anchors: docs/models.md, "Reference throughput figures"):
 2. ``wan_grpo``: ``family_grpo_step.measure`` for Wan2.1-1.3B (480x832x81, LoRA r32, CFG 5, 20 steps, 2 trained
    SDE steps): raw guided forward, rollout, sampler overhead (rollout / (steps x raw forward) - 1, target
    <= 5%), decode, GRPO step and peaks (target: under 40 GiB).
+   Sections 2, 2b, 3 and F also record GRPO iteration throughput (``grpo_iteration``): videos (images) per
+   GPU-second = batch / (rollout + decode + reward + update seconds), each part's seconds (docs/gpu_suite.md,
+   "Throughput protocol").
+2c. ``on_policy_ratio``: ``on_policy_ratio.measure`` (issue 50): the first GRPO update's max and mean |log ratio|
+   (recomputed log-prob - the rollout's) for Wan2.1-1.3B (480x832x81, batch 2, 1 trained step) and SD3.5-M (512 px,
+   batch 8, 2 trained steps), LoRA r32, each way the update can get its log-probs: the plain recompute (the
+   rollout's micro-batches), a recompute with micro-batches of 1 (batch variance), ``reuse_rollout_forward``
+   (ratio 1 by construction) and, for SD3.5-M, both recomputes under ``torch.use_deterministic_algorithms``; the
+   update step's seconds and CUDA peak per way. Target: 0, or the bf16 floor with its cause stated.
 3. ``sd3_grpo``: the same for SD3.5-M at 512 px, batch 8, CFG 4.5.
 4. ``causal_stream``: ``causal_wan_stream.measure`` for the causal Wan2.1-1.3B student (7 chunks of 3 latent
    frames, 4 + 1 passes each): frames/s without decoding, with one decode at the end, with a streamed
@@ -89,6 +98,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
 
 import causal_wan_stream  # noqa: E402
 import family_grpo_step  # noqa: E402
+import on_policy_ratio  # noqa: E402
 import sampler_overhead  # noqa: E402
 
 #: one-H200 reference figures (docs/models.md, "Reference throughput figures")
@@ -176,8 +186,37 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def gpu_driver_version() -> str | None:
+    """The NVIDIA driver version (e.g. ``"570.124.06"``) from ``nvidia-smi``, or from NVML through
+    ``torch.cuda`` when that fails; None when neither answers (no NVIDIA driver, e.g. on a CPU machine)."""
+    with contextlib.suppress(Exception):
+        run = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        first = run.stdout.strip().splitlines()[0].strip() if run.returncode == 0 and run.stdout.strip() else ""
+        if first:
+            return first
+    with contextlib.suppress(Exception):
+        import pynvml  # nvidia-ml-py, which torch.cuda's NVML queries use
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    return None
+
+
+def cuda_driver_api_version() -> str | None:
+    """The CUDA version the installed driver supports (``cuDriverGetVersion``, e.g. ``"13.0"``), or None off CUDA."""
+    with contextlib.suppress(Exception):
+        v = int(torch._C._cuda_getDriverVersion())
+        return f"{v // 1000}.{(v % 1000) // 10}" if v > 0 else None
+    return None
+
+
 def environment(device: torch.device) -> dict:
-    """Versions, device and date of this run (recorded in the JSON and the markdown header)."""
+    """Versions, device and date of this run (recorded in the JSON and the markdown header): Python, torch, CUDA
+    (the toolkit torch was built with), cuDNN, diffusers / transformers / peft / torchao; on CUDA the GPU's name,
+    memory (GiB), compute capability, the NVIDIA driver version (``driver``, :func:`gpu_driver_version`) and the
+    CUDA version the driver supports (``cuda_driver_api``); both None on the CPU."""
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -191,12 +230,15 @@ def environment(device: torch.device) -> dict:
         "device": str(device),
         "gpu": None,
         "gpu_memory_gib": None,
+        "driver": None,
+        "cuda_driver_api": None,
         "git_commit": None,
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                   compute_capability=f"{props.major}.{props.minor}")
+                   compute_capability=f"{props.major}.{props.minor}", driver=gpu_driver_version(),
+                   cuda_driver_api=cuda_driver_api_version())
     with contextlib.suppress(Exception):
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                            timeout=10).stdout.strip() or None
@@ -442,6 +484,51 @@ def section_wan_grpo_fsdp2(ctx: SuiteContext, out: dict) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     ctx.log(f"  wan FSDP2 GRPO step {out['grpo_step_s']} s, peak {out['peak_gib']} GiB")
+
+
+#: section 2c's parts: (key, on_policy_ratio's words, estimated seconds on one H200 (never run on a GPU yet): build +
+#: two rollouts + 3 updates). Wan2.1-1.3B: a 3-step rollout (~1.5 s per guided forward of 2 prompts at CFG 5, so
+#: ~3 s per step), 1 trained step (~11.5 s per update of 2 samples, from section 2's 5.7 s per sample and step);
+#: SD3.5-M: 10 steps, 2 trained steps, plus the deterministic variants (a third rollout, two more updates).
+ON_POLICY_PARTS = (
+    ("wan", ["--family", "wan", "--batch", "2", "--steps", "3", "--trained-steps", "1"], 60.0),
+    ("sd3", ["--family", "sd3", "--batch", "8", "--cfg-scale", "4.5", "--steps", "10", "--trained-steps", "2",
+             "--deterministic"], 25.0),
+)
+
+
+def section_on_policy_ratio(ctx: SuiteContext, out: dict) -> None:
+    """Section 2c (issue 50): ``on_policy_ratio.measure`` for Wan2.1-1.3B and then SD3.5-M (``ON_POLICY_PARTS``):
+    each part's record is the benchmark's result plus ``"status"``; a part starts only with its estimated seconds
+    left in the budget, and a failed part (e.g. CUDA out of memory) does not stop the next one.
+
+    Raises:
+        RuntimeError: after both parts ran, when any failed (naming them), so the section is recorded as an error.
+    """
+    failed = []
+    for key, words, need in ON_POLICY_PARTS:
+        rec = out.setdefault(key, {})
+        need = 5.0 if ctx.tiny else need
+        if ctx.remaining() < need:
+            rec["status"] = f"skipped: budget ({max(ctx.remaining(), 0):.0f} s left, needs about {need:.0f} s)"
+            ctx.save()
+            continue
+        try:
+            rec.update(on_policy_ratio.measure(on_policy_ratio.parse_args(words + (["--tiny"] if ctx.tiny else []))))
+            rec["status"] = "ok"
+            v = rec["variants"]
+            ctx.log(f"  {key} first update max |log ratio|: plain {v['plain']['log_ratio_max_abs']:.3g}, micro-batch "
+                    f"{v['micro_batch']['log_ratio_max_abs']:.3g}, reuse {v['reuse']['log_ratio_max_abs']:.3g}")
+        except SectionTimeout:
+            raise
+        except Exception as err:  # noqa: BLE001 - recorded; the next part still runs
+            rec["status"], rec["traceback"] = _error_record(err)
+            failed.append(key)
+        finally:
+            _free(ctx.device)
+            ctx.save()
+    if failed:
+        raise RuntimeError(f"on_policy_ratio part(s) failed: {failed} (see each part's status)")
 
 
 def section_sd3_grpo(ctx: SuiteContext, out: dict) -> None:
@@ -935,6 +1022,9 @@ SECTIONS = [
             need_s=90, limit_s=240),
     Section("wan_grpo_fsdp2", "2b. Wan2.1-1.3B LoRA r32 GRPO step under FSDP2 (1 GPU), 480x832x81, grad ckpt",
             section_wan_grpo_fsdp2, need_s=55, limit_s=150),
+    # an estimate (never run on a GPU): the sum of ON_POLICY_PARTS' estimates
+    Section("on_policy_ratio", "2c. First GRPO update's log ratio per recompute path (Wan2.1-1.3B 480x832x81, "
+            "SD3.5-M 512 px), LoRA r32", section_on_policy_ratio, need_s=85, limit_s=240, tiny_need_s=10.0),
     Section("sd3_grpo", "3. SD3.5-M rollout + LoRA r32 GRPO step, 512 px, batch 8, CFG 4.5", section_sd3_grpo,
             need_s=40, limit_s=150),
     Section("causal_stream", "4. causal Wan2.1-1.3B streaming, 480x832x81, 4 steps/chunk", section_causal_stream,
@@ -1015,6 +1105,14 @@ def _row_family(r: dict, tiny: bool, peak_max: float | None) -> tuple[str, str]:
                 f"decode {_num(r.get('decode_s'), 2, 's')}; "
                 f"GRPO step ({r.get('trained_steps', '?')} trained steps) {_num(r.get('grpo_step_s'), 2, 's')}; "
                 f"peak {_num(r.get('peak_gib'), 1, 'GiB')} (GRPO {_num(r.get('grpo_peak_gib'), 1, 'GiB')})")
+    it = r.get("grpo_iteration") or {}
+    if it:
+        size = f"{it.get('height')}x{it.get('width')}" + (f"x{it['num_frames']}" if (it.get("num_frames") or 1) > 1
+                                                          else "")
+        measured += (f"; GRPO iteration {_num(it.get('per_gpu_s'), 3)} {it.get('unit', 'samples')}/GPU-s (batch "
+                     f"{it.get('batch')}, {size}: rollout {_num(it.get('rollout_s'), 2)} + decode "
+                     f"{_num(it.get('decode_s'), 2)} + reward {_num(it.get('reward_s'), 3)} + update "
+                     f"{_num(it.get('update_s'), 2)} s)")
     ok_over = None if (tiny or over is None) else over <= TARGETS["sampler_overhead_max"]
     target = f"overhead <= {TARGETS['sampler_overhead_max']:.0%}{_check(ok_over)}"
     if peak_max is not None:
@@ -1112,10 +1210,56 @@ def _row_tmd(r: dict, tiny: bool) -> tuple[str, str]:
     return measured, anchor
 
 
+def _log_ratio(v) -> str:
+    if v is None:
+        return "n/a"
+    return "0" if v == 0 else f"{v:.2e}"
+
+
+#: section 2c's parts and the variants its row shows, with their labels
+_ON_POLICY_LABELS = (("wan", "Wan2.1-1.3B"), ("sd3", "SD3.5-M"))
+_VARIANT_LABELS = (("plain", "plain recompute"), ("micro_batch", "micro-batch {mb} recompute"),
+                   ("reuse", "reuse_rollout_forward"), ("deterministic", "deterministic plain"),
+                   ("deterministic_micro_batch", "deterministic micro-batch {mb}"))
+
+
+def _row_on_policy(r: dict, tiny: bool) -> tuple[str, str]:
+    parts, zero = [], []
+    for key, label in _ON_POLICY_LABELS:
+        rec = r.get(key) or {}
+        status = rec.get("status", "n/a")
+        if status != "ok":
+            parts.append(f"{label}: {status[:90]}")
+            continue
+        frames = f"x{rec['num_frames']}" if (rec.get("num_frames") or 1) > 1 else ""
+        head = (f"{label} ({rec.get('height')}x{rec.get('width')}{frames}, batch {rec.get('batch')}, "
+                f"{rec.get('dtype')}, trained steps {rec.get('trained_steps')}) max |log ratio|")
+        cells = []
+        for name, text in _VARIANT_LABELS:
+            v = (rec.get("variants") or {}).get(name)
+            if not v:
+                continue
+            cells.append(f"{text.format(mb=v.get('micro_batch_size'))} {_log_ratio(v.get('log_ratio_max_abs'))} "
+                         f"(mean {_log_ratio(v.get('log_ratio_mean_abs'))}; update {_num(v.get('update_s'), 2, 's')}, "
+                         f"peak {_num(v.get('update_peak_gib'), 1, 'GiB')})")
+        reuse = (rec.get("variants") or {}).get("reuse") or {}
+        if reuse.get("rollout_s") is not None:
+            cells.append(f"reuse's rollout {_num(reuse['rollout_s'], 2, 's')} (peak "
+                         f"{_num(reuse.get('rollout_peak_gib'), 1, 'GiB')}) vs {_num(rec.get('rollout_s'), 2, 's')}")
+        parts.append(f"{head}: " + ", ".join(cells))
+        v = rec.get("variants") or {}
+        zero.append(all((v.get(n) or {}).get("log_ratio_max_abs") == 0 for n in ("plain", "reuse")))
+    target = "first update max |log ratio| 0 (plain and reuse), or the bf16 floor with its cause stated"
+    if not tiny and zero:
+        target += " (met)" if all(zero) else " (plain not 0: state the floor's cause)"
+    return "; ".join(parts), target
+
+
 ROWS: dict[str, Callable[[dict, bool], tuple[str, str]]] = {
     "wan_forward": _row_wan_forward,
     "wan_grpo": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
     "wan_grpo_fsdp2": lambda r, tiny: _row_family(r, tiny, TARGETS["wan_grpo_peak_gib_max"]),
+    "on_policy_ratio": _row_on_policy,
     "sd3_grpo": lambda r, tiny: _row_family(r, tiny, None),
     **{s.name: (lambda r, tiny: _row_family(r, tiny, None)) for s in FAMILY_SECTIONS},
     "causal_stream": _row_causal,
@@ -1135,8 +1279,8 @@ def markdown(report: dict) -> str:
     with one row per section (measured values, anchor / target, status)."""
     env = report.get("env", {})
     tiny = report.get("tiny", False)
-    where = (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB), CUDA {env.get('cuda')}" if env.get("gpu")
-             else f"{env.get('device', 'cpu')}")
+    where = (f"{env.get('gpu')} ({env.get('gpu_memory_gib')} GiB), driver {env.get('driver')}, CUDA {env.get('cuda')}"
+             if env.get("gpu") else f"{env.get('device', 'cpu')}")
     lines = [
         f"`{report.get('command', 'python benchmarks/gpu_suite.py')}`, {env.get('date_utc', '?')}, {where}; torch "
         f"{env.get('torch')}, diffusers {env.get('diffusers')}, torchao {env.get('torchao')}; "
