@@ -3,6 +3,7 @@
     python benchmarks/causal_wan_stream.py --out benchmarks/causal_wan_stream.json              # one GPU, bf16
     python benchmarks/causal_wan_stream.py --decode-per-chunk --local-window 12 --sink 3        # + streaming run
     python benchmarks/causal_wan_stream.py --tiny --decode-per-chunk --local-window 6 --sink 3  # CPU smoke run
+    python benchmarks/causal_wan_stream.py --static-cache --compile --decode-per-chunk --local-window 12 --sink 3
 
 The main run is Self-Forcing's inference setting (docs/methods/distillation.md): 21 latent frames
 (81 frames at 480x832 -> latents 16 x 21 x 60 x 104, 1560 tokens per latent frame) in chunks of 3 latent frames,
@@ -23,6 +24,17 @@ second CUDA stream while the next chunk is denoised on the default one (the deco
 the VAE's feature cache is carried as before): end-to-end frames/s (host clock, one synchronisation at the end) and
 first-pixels latency (a CUDA event), the pixels equal to the sequential streamed decode. On a CPU there is one
 stream and the run is the sequential one.
+
+``--static-cache`` keeps the KV cache in fixed-shape buffers written in place (``CausalConfig.static_cache``;
+:class:`genrl.models.causal.StaticKVCache`): every chunk's forward has the same shapes (the 81-frame run without a
+window sizes the buffers by its 21 latent frames, ``max_frames``). ``--compile`` compiles the transformer's repeated
+blocks (regional ``torch.compile``, inductor on CUDA, ``aot_eager`` with ``--tiny`` so no C++ toolchain is needed;
+``--compile-mode`` picks inductor's mode); the warm-up run pays the compilation, reported as ``compile_s`` (warm-up
+time minus the measured run's) with dynamo's graph counts (``compile.graphs_after_warmup`` /
+``graphs_after_measured``: equal when nothing recompiled). Also reported: ``time_to_first_frame_s`` (chunk 0
+denoised, committed and its pixels decoded: the streamed decode's first-pixels latency with ``--decode-per-chunk``,
+else chunk 0's time plus one decode of its latents) and ``sdpa_kernel`` (which PyTorch SDPA kernel the causal
+attention call of these shapes runs: :func:`genrl.models.families.wan_causal.sdpa_backend`).
 
 ``measure(parse_args([...]))`` runs the same measurement from Python (``benchmarks/gpu_suite.py`` does);
 ``wan_transformer`` builds a random-weight Wan transformer cast as ``from_pretrained`` casts a checkpoint.
@@ -209,6 +221,27 @@ def stream_overlapped(gen, cond, schedule, frame_shape, num_chunks, device, seed
                 first_pixels_s=start.elapsed_time(first_done) / 1e3, pixels=torch.cat(pixels, dim=1))
 
 
+def _graphs() -> int:
+    """Graphs dynamo has traced so far (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _compile(gen, args) -> dict:
+    """Compile the transformer's repeated blocks in place (diffusers' regional compilation); returns the record."""
+    import torch._dynamo
+
+    backend = args.compile_backend or ("aot_eager" if args.tiny else "inductor")
+    kwargs = {"backend": backend, "dynamic": False}
+    if args.compile_mode != "default" and backend == "inductor":
+        kwargs["mode"] = args.compile_mode
+    torch._dynamo.reset()
+    gen.transformer.compile_repeated_blocks(**kwargs)
+    return {"backend": backend, "mode": args.compile_mode if backend == "inductor" else None,
+            "regional": "repeated blocks", "dynamic": False}
+
+
 def _pixel_frames(latent_frames: int) -> int:
     return 4 * (latent_frames - 1) + 1
 
@@ -243,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latent frames; adds a long streaming run with a rolling window + sink")
     p.add_argument("--sink", type=int, default=0, help="sink latent frames of the streaming run")
     p.add_argument("--stream-multiple", type=int, default=4, help="streaming run length in units of --latent-frames")
+    p.add_argument("--static-cache", action="store_true",
+                   help="fixed-shape KV cache written in place (CausalConfig.static_cache): one compiled graph")
+    p.add_argument("--compile", action="store_true", help="torch.compile the transformer's repeated blocks (regional)")
+    p.add_argument("--compile-mode", default="default",
+                   choices=["default", "max-autotune-no-cudagraphs", "reduce-overhead"],
+                   help="inductor mode of --compile")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend of --compile (default inductor; aot_eager with --tiny)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -272,6 +313,7 @@ def measure(args: argparse.Namespace) -> dict:
     import diffusers
 
     from genrl.models.causal import CausalConfig
+    from genrl.models.families.wan_causal import sdpa_backend
     from genrl.rollout.autoregressive import ChunkSchedule
 
     t_build = time.perf_counter()
@@ -279,15 +321,20 @@ def measure(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t_build
     c, (lf, h, w) = 16, (args.latent_frames, args.height // 8, args.width // 8)
     frame_shape = (c, h, w)
-    causal = CausalConfig(chunk_size=args.chunk, first_chunk_size=args.first_chunk, positions=args.positions)
+    causal = CausalConfig(chunk_size=args.chunk, first_chunk_size=args.first_chunk, positions=args.positions,
+                          static_cache=args.static_cache, max_frames=lf if args.static_cache else None)
+    compile_info = _compile(gen, args) if args.compile else None
     num_chunks = causal.num_chunks(lf)
     schedule = ChunkSchedule(causal=causal, timesteps=args.timesteps, shift=args.shift, warp=True)
     pix = _pixel_frames(lf) * args.batch
     args.decode_per_chunk = args.decode_per_chunk or args.overlap_decode
     decoder = StreamingDecoder(gen) if args.decode_per_chunk else None
 
-    # warm-up (excluded): the same rollout and decodes
+    # warm-up (excluded; it pays the compilation): the same rollout and decodes
     warm = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed, decoder)
+    warm_denoise_s = sum(warm["chunk_s"])
+    if compile_info is not None:
+        compile_info["graphs_after_warmup"] = _graphs()
     with torch.no_grad():
         gen.decode(warm["state"].latents)
     if args.overlap_decode:
@@ -311,6 +358,25 @@ def measure(args: argparse.Namespace) -> dict:
     decode_s = time.perf_counter() - t0
     peak_total = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     denoise_s = sum(run["chunk_s"])
+    if compile_info is not None:
+        compile_info["graphs_after_measured"] = _graphs()
+        compile_info["compile_s"] = round(warm_denoise_s - denoise_s, 4)
+    first_len = causal.chunk_len(0)
+    first_decoder = StreamingDecoder(gen)
+    _sync(device)
+    t0 = time.perf_counter()
+    first_decoder(latents[:, :, :first_len])
+    _sync(device)
+    first_decode_s = time.perf_counter() - t0
+    cache = run["state"].cache
+    s_tokens = (h // 2) * (w // 2)
+    k_frames = (cache.capacity if args.static_cache else lf - causal.chunk_size) + causal.chunk_size
+    blk = gen.transformer.blocks[0].attn1
+    try:
+        sdpa = sdpa_backend(args.batch, blk.heads, causal.chunk_size * s_tokens, k_frames * s_tokens,
+                            blk.inner_dim // blk.heads, gen.dtype, device, masked=True)
+    except Exception as err:  # noqa: BLE001 - recorded, the other figures stand
+        sdpa = {"backend": None, "status": f"error: {type(err).__name__}: {err}"[:300]}
     report = {
         "benchmark": "causal_wan_stream",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -320,6 +386,9 @@ def measure(args: argparse.Namespace) -> dict:
         "transformer_params_m": round(n_params / 1e6, 3),
         "dtype": "float32" if args.tiny else args.dtype, "vae_dtype": "float32" if args.tiny else args.vae_dtype,
         "attention_backend": backend, "build_s": round(build_s, 2),
+        "static_cache": bool(args.static_cache), "compile": compile_info,
+        "sdpa_kernel": sdpa, "warmup_denoise_s": round(warm_denoise_s, 4),
+        "time_to_first_frame_s": round(run["chunk_s"][0] + first_decode_s, 4),
         "batch": args.batch, "pixels": [args.height, args.width], "latent_frames": lf,
         "pixel_frames": _pixel_frames(lf),
         "latents": [args.batch, c, lf, h, w], "tokens_per_latent_frame": (h // 2) * (w // 2),
@@ -333,7 +402,7 @@ def measure(args: argparse.Namespace) -> dict:
         "decode_at_end_s": round(decode_s, 4),
         "e2e_s_decode_at_end": round(denoise_s + decode_s, 4),
         "e2e_fps_decode_at_end": round(pix / (denoise_s + decode_s), 2),
-        "kv_cache_mib": round(run["state"].cache.nbytes() / 2**20, 1),
+        "kv_cache_mib": round(cache.nbytes() / 2**20, 1),
         "peak_memory_gib": {"denoise": _gib(peak_denoise) if peak_denoise else None,
                             "with_decode": _gib(peak_total) if peak_total else None},
         "finite": bool(torch.isfinite(latents).all()),
@@ -348,6 +417,7 @@ def measure(args: argparse.Namespace) -> dict:
             "e2e_fps": round(pix / srun["total_s"], 2),
             "max_abs_diff_vs_decode_at_end": float((srun["pixels"] - video).abs().max()),
         }
+        report["time_to_first_frame_s"] = round(srun["first_pixels_s"], 4)
         if args.overlap_decode:
             try:  # not yet run on a GPU: a failure here is recorded and leaves the other figures
                 orun = stream(gen, cond, schedule, frame_shape, num_chunks, device, args.seed + 1, decoder,
@@ -366,7 +436,8 @@ def measure(args: argparse.Namespace) -> dict:
 
     if args.local_window is not None:
         long_causal = CausalConfig(chunk_size=args.chunk, first_chunk_size=args.first_chunk,
-                                   local_window=args.local_window, sink_frames=args.sink, positions=args.positions)
+                                   local_window=args.local_window, sink_frames=args.sink, positions=args.positions,
+                                   static_cache=args.static_cache)
         long_frames = lf * args.stream_multiple
         long_chunks = long_causal.num_chunks(long_frames)
         long_schedule = ChunkSchedule(causal=long_causal, timesteps=args.timesteps, shift=args.shift, warp=True)
@@ -386,6 +457,7 @@ def measure(args: argparse.Namespace) -> dict:
             "first_chunk_s": round(lrun["chunk_s"][0], 4), "last_chunk_s": round(lrun["chunk_s"][-1], 4),
             "cache_frames_at_end": lrun["state"].cache.frames.tolist(),
             "kv_cache_mib": round(lrun["state"].cache.nbytes() / 2**20, 1),
+            "graphs_after": _graphs() if compile_info is not None else None,
             "peak_memory_gib": _gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
             "finite": bool(torch.isfinite(lrun["state"].latents).all()),
         }

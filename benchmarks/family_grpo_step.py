@@ -447,7 +447,7 @@ def measure(args: argparse.Namespace) -> dict:
             "steps": args.steps, "trained_steps": len(traj.sde_steps), "cfg_scale": args.cfg_scale,
             "rollout_s": round(rollout_s, 3), "decode_s": round(decode_batch_s, 3), "reward_s": round(reward_s, 4),
             "reward": "brightness (a pixel-statistics stand-in; a learned reward model costs more)",
-            "update_s": round(update_s, 3), "update_peak_gib": update_peak, "iteration_s": round(iteration_s, 3),
+            "update_s": round(update_s, 3), "update_peak_gib": update_peak, "iteration_s": round(iteration_s, 6),
             "per_gpu_s": round(args.batch / iteration_s, 5),
         },
         "torch": torch.__version__,

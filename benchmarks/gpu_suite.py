@@ -27,7 +27,8 @@ Sections, in order (anchors: docs/models.md, "Reference throughput figures"):
    frames, 4 + 1 passes each): frames/s without decoding, with one decode at the end, with a streamed
    per-chunk decode, with that decode on a second CUDA stream overlapped with the next chunk's denoising (target
    >= 17 frames/s end to end), and a 4x longer stream with a 12-frame window + 3 sink
-   frames.
+   frames; static KV cache and regionally compiled blocks (``--static-cache --compile``): compile time, dynamo's
+   graph counts, time to first frame and the SDPA kernel are recorded.
 5. ``fp8_compile``: raw matmul TFLOP/s, bf16 (8192^3) and fp8 e4m3 ``torch._scaled_mm`` (anchors 769 and
    1,387 TFLOP/s); then the section-1 forward compiled with ``torch.compile`` (regional: the repeated
    transformer blocks) in bf16 and with fp8 weights + activations (rowwise scales): torchao's
@@ -539,16 +540,21 @@ def section_sd3_grpo(ctx: SuiteContext, out: dict) -> None:
 
 
 def section_causal_stream(ctx: SuiteContext, out: dict) -> None:
-    """Section 4: ``causal_wan_stream`` (decode at the end and per chunk; 4x stream with window 12 + sink 3)."""
-    words = ["--decode-per-chunk", "--overlap-decode", "--local-window", "12", "--sink", "3"]
+    """Section 4: ``causal_wan_stream`` (decode at the end and per chunk; 4x stream with window 12 + sink 3), with the
+    static KV cache and the blocks compiled (``--static-cache --compile``; ``aot_eager`` with ``--tiny``)."""
+    words = ["--static-cache", "--compile", "--decode-per-chunk", "--overlap-decode", "--local-window", "12", "--sink",
+             "3"]
     if ctx.tiny:
-        words = ["--tiny", "--decode-per-chunk", "--overlap-decode", "--height", "32", "--width", "32",
+        words = ["--tiny", "--static-cache", "--compile", "--decode-per-chunk", "--overlap-decode", "--height", "32",
+                 "--width", "32",
                  "--latent-frames", "6",
                  "--local-window", "6", "--sink", "3", "--stream-multiple", "2"]
     out.update(causal_wan_stream.measure(causal_wan_stream.parse_args(words)))
     ctx.log(f"  causal stream: denoise {out['denoise_fps']} fps, decode at end {out['e2e_fps_decode_at_end']} fps, "
             f"streamed decode {out.get('stream_decode', {}).get('e2e_fps')} fps, overlapped "
-            f"{out.get('stream_decode_overlap', {}).get('e2e_fps')} fps")
+            f"{out.get('stream_decode_overlap', {}).get('e2e_fps')} fps, first frame "
+            f"{out.get('time_to_first_frame_s')} s, compile {(out.get('compile') or {}).get('compile_s')} s, SDPA "
+            f"{(out.get('sdpa_kernel') or {}).get('backend')}")
 
 
 def matmul_tflops(device: torch.device, n: int, kind: str, reps: int, fast_accum: bool = True) -> float:
@@ -1130,8 +1136,13 @@ def _row_causal(r: dict, tiny: bool) -> tuple[str, str]:
     measured = (f"denoise only {_num(r.get('denoise_fps'), 1)} frames/s; decode at end "
                 f"{_num(r.get('e2e_fps_decode_at_end'), 1)} frames/s; streamed decode {_num(sd.get('e2e_fps'), 1)} "
                 f"frames/s, on a second stream overlapped with denoising {_num(ov.get('e2e_fps'), 1)} frames/s; "
-                f"first chunk {_num(r.get('first_chunk_latency_s'), 3, 's')}; peak "
-                f"{_num(mem.get('with_decode'), 1, 'GiB')}")
+                f"first chunk {_num(r.get('first_chunk_latency_s'), 3, 's')}; first frame "
+                f"{_num(r.get('time_to_first_frame_s'), 3, 's')}; peak {_num(mem.get('with_decode'), 1, 'GiB')}")
+    comp = r.get("compile") or {}
+    if r.get("static_cache") or comp:
+        measured += (f"; static cache {bool(r.get('static_cache'))}, compiled {comp.get('backend', 'no')} (compile "
+                     f"{_num(comp.get('compile_s'), 1, 's')}, graphs {comp.get('graphs_after_warmup')} -> "
+                     f"{comp.get('graphs_after_measured')}); SDPA {(r.get('sdpa_kernel') or {}).get('backend')}")
     if st:
         measured += (f"; {st.get('latent_frames')}-latent-frame stream (window {st.get('local_window')} + sink "
                      f"{st.get('sink_frames')}) {_num(st.get('e2e_fps'), 1)} frames/s")

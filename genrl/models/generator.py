@@ -118,8 +118,12 @@ class DiTGenerator(nn.Module):
         """An empty KV cache for ``batch_size`` videos with chunk layout / window ``causal``.
 
         Raises:
-            ValueError: chunk, window or sink sizes not multiples of the DiT's temporal patch.
+            ValueError: chunk, window or sink sizes not multiples of the DiT's temporal patch; ``static_cache``
+                (not implemented for the DiT).
         """
+        if getattr(causal, "static_cache", False):
+            raise ValueError("static_cache=True is implemented for the causal Wan2.1 adapter (wan_causal), not for "
+                             "genrl's DiT; use static_cache=False here")
         causal.check_patch(self.transformer.config.patch_size[0])
         return KVCache(causal, batch_size, patch_frames=self.transformer.config.patch_size[0])
 

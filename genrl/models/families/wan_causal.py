@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
 
-from genrl.models.causal import CausalConfig, KVCache, frame_visibility
+from genrl.models.causal import CausalConfig, KVCache, StaticKVCache, frame_visibility, make_kv_cache
 from genrl.models.families.wan import WanGenerator
 
 __all__ = ["CausalWanAttnProcessor", "CausalWanContext", "CausalWanGenerator", "install_causal_attention",
-           "wan_rope_tables", "WAN_ROPE_THETA"]
+           "sdpa_backend", "wan_rope_tables", "WAN_ROPE_THETA"]
 
 #: base of Wan2.1's rotary frequencies (``WanRotaryPosEmbed``'s theta; the model never changes it).
 WAN_ROPE_THETA = 10000.0
@@ -115,6 +115,12 @@ class _ForwardState:
         rows: int64 token rows of the cached groups read (None: all).
         collect: store each layer's un-roped keys / values in ``produced`` (a commit).
         cross, cross_key: the cache's cross-attention dict and the conditioning key (None: no text cache).
+        key_buffer, value_buffer: a :class:`~genrl.models.causal.StaticKVCache`'s stacked buffers
+            ``[layers, B, heads, N, D]``, read whole (None: the per-layer ``keys`` / ``values`` lists). Each
+            processor selects its layer with its ``layer_index`` tensor, so no per-layer Python value is read
+            inside the blocks and ``torch.compile`` traces one graph for all of them.
+        stage: with ``key_buffer`` and ``collect``: stacked ``(keys, values)`` ``[layers, B, heads, Nq, D]`` the
+            processors write the input's un-roped keys / values into (instead of ``produced``).
     """
 
     q_rope: tuple[torch.Tensor, torch.Tensor]
@@ -127,6 +133,9 @@ class _ForwardState:
     produced: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     cross: dict | None = None
     cross_key: Any = None
+    key_buffer: torch.Tensor | None = None
+    value_buffer: torch.Tensor | None = None
+    stage: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class CausalWanContext:
@@ -182,6 +191,9 @@ class CausalWanAttnProcessor(WanAttnProcessor):
     def __init__(self, context: CausalWanContext, layer: int, cross: bool = False) -> None:
         super().__init__()
         self.context, self.layer, self.cross = context, int(layer), bool(cross)
+        #: int64 ``[1]`` = ``[layer]``, on the model's device: how a static-cache forward picks this layer's buffer
+        #: (a tensor, not a Python int, so compiled blocks share one graph).
+        self.layer_index = torch.tensor([self.layer])
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         if self.cross:
@@ -200,9 +212,18 @@ class CausalWanAttnProcessor(WanAttnProcessor):
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
-        if state.collect:  # the cache layout is [B, heads, N, D], keys before the rotary embedding
+        if state.collect and state.stage is not None:  # static cache: stacked staging buffers, layer by tensor
+            state.stage[0].index_copy_(0, self.layer_index, key.detach().transpose(1, 2)[None].to(state.stage[0].dtype))
+            state.stage[1].index_copy_(0, self.layer_index,
+                                       value.detach().transpose(1, 2)[None].to(state.stage[1].dtype))
+        elif state.collect:  # the cache layout is [B, heads, N, D], keys before the rotary embedding
             state.produced[self.layer] = (key.detach().transpose(1, 2), value.detach().transpose(1, 2))
-        if state.keys is not None:
+        if state.key_buffer is not None:  # static cache: the whole buffer (the mask hides empty / invisible slots)
+            k_c = state.key_buffer.index_select(0, self.layer_index)[0]
+            v_c = state.value_buffer.index_select(0, self.layer_index)[0]
+            key = torch.cat([k_c.transpose(1, 2).to(key.dtype), key], dim=1)
+            value = torch.cat([v_c.transpose(1, 2).to(value.dtype), value], dim=1)
+        elif state.keys is not None:
             k_c, v_c = state.keys[self.layer], state.values[self.layer]
             if state.rows is not None:
                 k_c, v_c = k_c.index_select(2, state.rows), v_c.index_select(2, state.rows)
@@ -235,6 +256,63 @@ class CausalWanAttnProcessor(WanAttnProcessor):
                                     backend=self._attention_backend, parallel_config=None)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
+
+
+_SDPA_ORDER = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def sdpa_backend(batch: int, heads: int, q_tokens: int, k_tokens: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, masked: bool = True) -> dict:
+    """Which PyTorch SDPA kernel serves the causal self-attention call of these shapes (for benchmarks' records).
+
+    The call is the masked one of :class:`CausalWanAttnProcessor` (``F.scaled_dot_product_attention`` on
+    ``[batch, heads, tokens, head_dim]`` with a boolean ``[1, 1, q_tokens, k_tokens]`` mask; ``masked=False``: no
+    mask). PyTorch has no public "which kernel will run" query, so the kernels are probed: the call is run on
+    zero tensors of these shapes under ``torch.nn.attention.sdpa_kernel([kernel])`` for flash, cuDNN, memory-
+    efficient and math, in that order (fastest first), and every kernel that does not raise is listed. The
+    dispatcher's own pick, from the private ``torch._fused_sdp_choice`` (same arguments), is added when this
+    PyTorch has it; its priority order can differ from the probe's.
+
+    Args:
+        batch, heads, q_tokens, k_tokens, head_dim: the call's shapes (tokens: query tokens of a chunk; keys:
+            cached + chunk tokens).
+        dtype, device: of the query / key / value tensors.
+        masked: whether the call carries a mask (a static cache always does).
+    Returns:
+        ``{"backend": first kernel that ran (lower case, e.g. "flash_attention", "math"), "available": [kernels
+        that ran], "dispatcher": the dispatcher's pick or None, "errors": {kernel: first line of its error}}``.
+    Raises:
+        RuntimeError: no kernel accepts the call.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.zeros(batch, heads, q_tokens, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(batch, heads, k_tokens, head_dim, dtype=dtype, device=device)
+    mask = torch.ones(1, 1, q_tokens, k_tokens, dtype=torch.bool, device=device) if masked else None
+    available, errors = [], {}
+    with torch.no_grad():
+        for name in _SDPA_ORDER:
+            kernel = getattr(SDPBackend, name, None)
+            if kernel is None:
+                continue
+            try:
+                with sdpa_kernel([kernel]):
+                    F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+                available.append(name.lower())
+            except RuntimeError as err:
+                text = str(err).strip()
+                errors[name.lower()] = text.splitlines()[0][:200] if text else type(err).__name__
+        dispatcher = None
+        choice = getattr(torch, "_fused_sdp_choice", None)
+        if choice is not None:
+            try:
+                dispatcher = SDPBackend(choice(q, k, k, mask, 0.0, False)).name.lower()
+            except Exception:  # noqa: BLE001 - a private API: its absence or a signature change is not an error
+                dispatcher = None
+    if not available:
+        raise RuntimeError(f"no SDPA kernel accepts q [{batch}, {heads}, {q_tokens}, {head_dim}] {dtype} on {device}: "
+                           f"{errors}")
+    return {"backend": available[0], "available": available, "dispatcher": dispatcher, "errors": errors}
 
 
 def install_causal_attention(transformer) -> CausalWanContext:
@@ -325,13 +403,15 @@ class CausalWanGenerator(WanGenerator):
         return out
 
     # ------------------------------------------------------------------ causal API
-    def init_cache(self, batch_size: int, causal: CausalConfig | None = None) -> KVCache:
+    def init_cache(self, batch_size: int, causal: CausalConfig | None = None) -> KVCache | StaticKVCache:
         """An empty KV cache for ``batch_size`` videos with chunk layout / window ``causal`` (default
-        :attr:`causal`). Raises ValueError when neither is set."""
+        :attr:`causal`): a :class:`~genrl.models.causal.StaticKVCache` (fixed-shape buffers, allocated on the first
+        forward) when ``causal.static_cache``, else a :class:`~genrl.models.causal.KVCache`. Raises ValueError when
+        neither is set, or for a static cache without ``local_window`` / ``max_frames``."""
         causal = causal or self.causal
         if causal is None:
             raise ValueError("init_cache needs a CausalConfig (or set generator.causal)")
-        return KVCache(causal, int(batch_size), patch_frames=1)
+        return make_kv_cache(causal, int(batch_size), patch_frames=1)
 
     def velocity_chunk(self, x: torch.Tensor, sigma: torch.Tensor, cond, cache: KVCache) -> torch.Tensor:
         """Velocity ``[B, C, f, h, w]`` of a chunk ``x`` (latent frames ``cache.end_frame ...``) at sigma ``[B]``
@@ -412,7 +492,9 @@ class CausalWanGenerator(WanGenerator):
         finally:
             ctx.current = None
         if commit:
-            cache.append([state.produced[i] for i in range(len(transformer.blocks))],
+            produced = ([(state.stage[0][i], state.stage[1][i]) for i in range(len(transformer.blocks))]
+                        if state.stage is not None else [state.produced[i] for i in range(len(transformer.blocks))])
+            cache.append(produced,
                          int(start_frame) + torch.arange(f), gh * gw)
         return out
 
@@ -432,16 +514,13 @@ class CausalWanGenerator(WanGenerator):
         if causal is None:
             raise ValueError("attention='block_causal' needs a CausalConfig (pass causal=... or set generator.causal)")
         vis = frame_visibility(causal, q_frames, q_frames)
+        if isinstance(cache, StaticKVCache):
+            return self._static_state(causal, q_frames, vis, cache, commit, b, f, gh, gw, device, cross_key,
+                                      table_dtype)
         k_frames = torch.zeros(0, dtype=torch.long)
         read, rows = None, None
         if cache is not None:
-            if cache.batch_size != b:
-                raise ValueError(f"KV cache holds a batch of {cache.batch_size}, input has {b}")
-            if cache.end_frame != start_frame:
-                raise ValueError(f"input starts at latent frame {start_frame} but the KV cache ends at "
-                                 f"{cache.end_frame}; pass start_frame=cache.end_frame")
-            if cache.patch_frames != 1:
-                raise ValueError(f"KV cache built for a temporal patch of {cache.patch_frames}; wan_causal uses 1")
+            self._check_cache(cache, b, start_frame)
             if cache.num_groups:
                 if cache.tokens_per_group != s:
                     raise ValueError(f"KV cache holds {cache.tokens_per_group} tokens per latent frame, input has {s}; "
@@ -471,3 +550,54 @@ class CausalWanGenerator(WanGenerator):
                              values=read.values if read is not None else None,
                              cross=cache.cross if cache is not None else None,
                              cross_key=cross_key if cache is not None else None)
+
+    def _check_cache(self, cache, b: int, start_frame: int) -> None:
+        """ValueError unless ``cache`` (dynamic or static) holds a batch of ``b`` and ends at ``start_frame``."""
+        if cache.batch_size != b:
+            raise ValueError(f"KV cache holds a batch of {cache.batch_size}, input has {b}")
+        if cache.end_frame != start_frame:
+            raise ValueError(f"input starts at latent frame {start_frame} but the KV cache ends at "
+                             f"{cache.end_frame}; pass start_frame=cache.end_frame")
+        if cache.patch_frames != 1:
+            raise ValueError(f"KV cache built for a temporal patch of {cache.patch_frames}; wan_causal uses 1")
+
+    def _static_state(self, causal, q_frames, vis, cache: StaticKVCache, commit, b, f, gh, gw, device, cross_key,
+                      table_dtype) -> _ForwardState:
+        """The forward state with a :class:`StaticKVCache`: every slot is read (fixed shape), a mask of fixed shape
+        ``[1, 1, f * s, (capacity + f) * s]`` hides empty and invisible slots; positions as the dynamic cache's
+        (absolute: the slot's frame; relative: its rank among the visible slots, then the input)."""
+        s = gh * gw
+        self._check_cache(cache, b, int(q_frames[0]))
+        blocks = self.transformer.blocks
+        attn = blocks[0].attn1
+        head_dim = attn.inner_dim // attn.heads
+        cache.allocate(len(blocks), attn.heads, head_dim, s, self.dtype, device)
+        for block in blocks:  # each processor's layer index lives on the model's device
+            proc = block.attn1.processor
+            if proc.layer_index.device != torch.device(device):
+                proc.layer_index = proc.layer_index.to(device)
+        slot_frames = cache.slot_frames.clone()
+        vis_c = cache.slot_visibility(q_frames)  # [f, capacity]
+        used = vis_c.any(0)
+        if causal.positions == "absolute":
+            k_pos, q_pos = slot_frames.clamp(min=0), q_frames
+        else:  # rank of each visible slot's frame among the visible frames (slots are not in frame order)
+            used_frames = slot_frames[used]
+            k_pos = (used_frames[None, :] < slot_frames[:, None]).sum(1) * used
+            q_pos = int(used.sum()) + torch.arange(f)
+        vis = torch.cat([vis_c, vis], dim=1)
+        mask = vis.to(device).repeat_interleave(s, 0).repeat_interleave(s, 1)[None, None]
+        k_rope = wan_rope_tables(self.transformer.rope, torch.cat([k_pos, q_pos]), gh, gw, table_dtype, device)
+        q_rope = tuple(t[:, -f * s:] for t in k_rope)
+        keys, values = cache.key_buffer, cache.value_buffer
+        if torch.is_grad_enabled():  # a later commit writes the buffers in place: a gradient-checkpoint replay
+            keys, values = keys.clone(), values.clone()  # must read what this forward read
+        stage = None
+        if commit:
+            shape = (len(blocks), b, attn.heads, f * s, head_dim)
+            stage = (torch.empty(shape, dtype=keys.dtype, device=device),
+                     torch.empty(shape, dtype=values.dtype, device=device))
+        # no text K/V cache (cross=None): its per-layer dict would make every block a different graph; the text
+        # projections are recomputed (a few per cent of a block's work at Wan's sizes)
+        return _ForwardState(q_rope=q_rope, k_rope=k_rope, mask=mask, collect=commit, key_buffer=keys,
+                             value_buffer=values, stage=stage)
