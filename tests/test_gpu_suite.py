@@ -313,6 +313,8 @@ def test_main_runs_the_reused_benchmarks_in_process(tmp_path):
     assert c["stream_decode"]["max_abs_diff_vs_decode_at_end"] < 1e-5
     overlap = c["stream_decode_overlap"]  # one stream on a CPU: the sequential streamed decode, bit for bit
     assert overlap["second_cuda_stream"] is False and overlap["max_abs_diff_vs_sequential_stream"] == 0.0
+    base = c["baseline_dynamic_eager"]  # issue 50: the eager dynamic-cache run in the same call, as the first GPU run
+    assert base["denoise_fps"] > 0 and base["overlap_e2e_fps"] > 0 and c["static_cache"]
     assert json.loads(out.read_text())["sections"]["causal_stream"]["status"] == "ok"
 
 
