@@ -13,6 +13,9 @@ host-to-device copy of noise):
   pure function of (key, e): the same integer stream on every device (no generator objects, so it can live inside a
   compiled or graph-captured region), at a higher cost on a CPU (benchmarks/RESULTS.md, Noise on the device).
 
+Stream ids are registered in :data:`STREAMS` (owner, range, what each draws); call sites take them with
+:func:`stream_id` (docs/testing.md, Noise-stream registry, says how to add one).
+
 A leaf of the package (imports only torch): every layer, from ``genrl.flow`` up, draws its noise here
 (``genrl.rollout.noise`` re-exports it). The layering contract is in pyproject.toml ``[tool.importlinter]``.
 """
@@ -20,12 +23,13 @@ A leaf of the package (imports only torch): every layer, from ``genrl.flow`` up,
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-__all__ = ["NOISE_BACKENDS", "NoiseBackend", "check_backend", "mix_seed", "philox4x32", "rand_per_sample",
-           "randn_per_sample", "sample_generator"]
+__all__ = ["NOISE_BACKENDS", "STREAMS", "NoiseBackend", "NoiseStream", "check_backend", "mix_seed", "philox4x32",
+           "rand_per_sample", "randn_per_sample", "sample_generator", "stream_id"]
 
 NoiseBackend = Literal["generator", "philox"]
 #: the accepted values of every ``backend`` / ``noise_backend`` argument.
@@ -87,6 +91,186 @@ def check_backend(backend: str) -> str:
                          f"device)")
     return backend
 
+
+
+# ------------------------------------------------------------------------------------------ stream registry
+@dataclass(frozen=True)
+class NoiseStream:
+    """One named range of stream ids: ``first .. first + count - 1`` (``count`` None: open-ended, ``first + k`` for
+    every k >= 0), the ids one kind of draw mixes into its address (the ``stream`` argument of the draws above, or
+    the last part of a ``mix_seed`` that seeds a ``torch.Generator``).
+
+    Args:
+        name: the registry key, ``"<owner>.<what>"``.
+        first, count: the id range.
+        domain: the seed the draw is made under: ``"rollout"`` (the seed a sampler is given), ``"method"`` (a training
+            method's own seed, the iteration usually mixed in), ``"data"`` (a data module's seed), ``"reward"`` or
+            ``"planner"``. Ranges of one domain are disjoint unless ``shares`` says otherwise; ranges of different
+            domains may overlap (their seeds keep them apart: tests/test_noise_streams.py checks whole runs).
+        owner: the module(s) that draw it; what: what is drawn.
+        shares: names of same-domain streams whose ids overlap this one's by design (recorded results were drawn
+            with these numbers, so they stay), ``why``: why the two never draw under one seed.
+        sites: call sites (``"module:function"``, the innermost frame outside this module) that draw the SAME
+            numbers as another site of this stream on purpose (a replay, a regenerated leaf), with ``why``.
+    """
+
+    name: str
+    first: int
+    count: int | None
+    domain: str
+    owner: str
+    what: str
+    shares: tuple[str, ...] = ()
+    sites: tuple[str, ...] = ()
+    why: str = ""
+
+    def ids(self, limit: int = 1 << 16) -> range:
+        """The stream ids of this range (an open-ended one cut at ``limit``)."""
+        return range(self.first, self.first + (self.count if self.count is not None else max(0, limit - self.first)))
+
+
+_DIFFERENT_RUNS = "owned by methods that never train in one run"
+_DIFFERENT_ROLLOUTS = ("one rollout is flat, tree, autoregressive, history or transition, never two of these under "
+                       "one seed")
+
+#: Every stream id genrl draws from, by name. To add a draw: give it a new entry here (a range disjoint from every
+#: range of its domain; the static test in tests/test_noise_streams.py says which overlap), use
+#: ``stream_id(name, k)`` at the call site (or a module constant computed from it), and add the run that draws it to
+#: the recorded runs of tests/test_noise_streams.py if none exercises it. Never renumber an existing entry: every
+#: recorded result was drawn with these numbers.
+STREAMS: dict[str, NoiseStream] = {s.name: s for s in (
+    # ---- rollouts (the seed given to the sampler)
+    NoiseStream("rollout.flat", 0, 1, "rollout", "genrl.rollout.sampler, tree, transition, history",
+                "initial noise (step 0) and SDE step noise (step k + 1) of a flat rollout; a tree's root (step 0) and "
+                "node noise (step k + 1, the node's hashed index); a transition rollout's start noise; a history "
+                "rollout's first window",
+                sites=("genrl.rollout.tree:tree_rollout", "genrl.rollout.tree:regenerate_leaf",
+                       "genrl.rollout.tree:_tree_step"),
+                why="regenerate_leaf redraws one leaf's root and node noise exactly as tree_rollout drew them (a leaf "
+                "is reproducible alone)"),
+    NoiseStream("rollout.initial_by_key", 1, 1, "rollout", "genrl.rollout.sampler",
+                "initial noise addressed by an explicit key (``initial_keys``) instead of the sample index",
+                shares=("rollout.ar_chunk",), why=_DIFFERENT_ROLLOUTS),
+    NoiseStream("rollout.ar_chunk", 1, None, "rollout", "genrl.rollout.autoregressive, branches",
+                "chunk k's noise at denoising step j (stream 1 + k, step j) of an autoregressive rollout",
+                shares=("rollout.initial_by_key", "rollout.history_window", "rollout.transition_inner",
+                        "rollout.sde_random_steps", "rollout.sde_window",
+                        "rollout.branch_seed", "rollout.ar_exit_step", "rollout.tree_node"),
+                why=_DIFFERENT_ROLLOUTS + " (the open-ended chunk range is kept apart by the rollout kind; the ids "
+                "above chunk 96 are only reached by rollouts of more than 96 chunks)"),
+    NoiseStream("rollout.history_window", 1000, None, "rollout", "genrl.rollout.history",
+                "window w >= 1's noise (stream 1000 + 2w), every window's history re-noising (1000 + 2w + 1)",
+                shares=("rollout.ar_chunk", "rollout.transition_inner", "rollout.branch_seed", "rollout.tree_node",
+                        "rollout.ar_exit_step"),
+                why=_DIFFERENT_ROLLOUTS),
+    NoiseStream("rollout.transition_inner", 2000, 1, "rollout", "genrl.rollout.transition",
+                "transition k's inner noise y1 (step k)", shares=("rollout.ar_chunk", "rollout.history_window"),
+                why=_DIFFERENT_ROLLOUTS),
+    NoiseStream("rollout.sde_random_steps", 98, 1, "rollout", "genrl.rollout.sampler (sde_mask)",
+                "which steps are SDE steps (sde_steps='random_steps'), mix_seed(seed, rollout_id, 0, 98)",
+                shares=("rollout.ar_chunk",), why=_DIFFERENT_ROLLOUTS + " (an SDE mask is a flat rollout's)"),
+    NoiseStream("rollout.sde_window", 99, 1, "rollout", "genrl.rollout.sampler (sde_mask)",
+                "where the SDE window starts, mix_seed(seed, rollout_id, 0, 99)",
+                shares=("rollout.ar_chunk",), why=_DIFFERENT_ROLLOUTS + " (an SDE mask is a flat rollout's)"),
+    NoiseStream("rollout.branch_seed", 0xB7A, 1, "rollout", "genrl.rollout.branches",
+                "salt of the branch continuations' seed mix_seed(seed, 0xB7A) (they draw rollout.ar_chunk under it)",
+                shares=("rollout.ar_chunk", "rollout.history_window"), why=_DIFFERENT_ROLLOUTS),
+    NoiseStream("rollout.tree_node", 0x7E2, 1, "rollout", "genrl.rollout.tree",
+                "salt of a tree node's index mix_seed(tree_index, path_code, 0x7E2)",
+                shares=("rollout.ar_chunk", "rollout.history_window"), why=_DIFFERENT_ROLLOUTS),
+    NoiseStream("rollout.ar_exit_step", 0xE817, 1, "rollout", "genrl.rollout.autoregressive (sample_exit_step)",
+                "the exit step, mix_seed(seed, iteration, rank, 0xE817)",
+                shares=("rollout.ar_chunk", "rollout.history_window"),
+                why="the exit step is drawn once per iteration, before the chunks"),
+    # ---- training methods (the method's seed)
+    NoiseStream("pretrain.noise", 0, 1, "method", "genrl.methods.pretrain", "the flow-matching noise eps"),
+    NoiseStream("pretrain.sigma", 1, 1, "method", "genrl.methods.pretrain", "the training sigma(s)"),
+    NoiseStream("pretrain.dropout", 2, 1, "method", "genrl.methods.pretrain", "caption dropout"),
+    NoiseStream("phases.update_order", 11, 1, "method", "genrl.methods.phases (update_plan: GRPO)",
+                "the row order of each PPO epoch, mix_seed(seed, iteration, epoch, 11)"),
+    NoiseStream("branch_grpo.order", 13, 1, "method", "genrl.methods.branch_grpo", "the kept leaves' order"),
+    NoiseStream("dmd.noise", 21, 1, "method", "genrl.methods.dmd", "the DMD loss's noising (sigma, eps)"),
+    NoiseStream("dmd.critic", 22, 1, "method", "genrl.methods.dmd", "the critic's flow-matching noising"),
+    NoiseStream("ram.eps", 31, 1, "method", "genrl.methods.ram", "the re-noising eps",
+                shares=("afd.sigma", "tmd.x1"), why=_DIFFERENT_RUNS),
+    NoiseStream("ram.t", 32, 1, "method", "genrl.methods.ram", "the re-noising time",
+                shares=("afd.eps", "tmd.outer"), why=_DIFFERENT_RUNS),
+    NoiseStream("afd.sigma", 31, 1, "method", "genrl.methods.afd", "the teacher-forced loss's chunk noise levels",
+                shares=("ram.eps", "tmd.x1"), why=_DIFFERENT_RUNS),
+    NoiseStream("afd.eps", 32, 1, "method", "genrl.methods.afd", "the teacher-forced loss's noise",
+                shares=("ram.t", "tmd.outer"), why=_DIFFERENT_RUNS),
+    NoiseStream("afd.teacher", 33, 1, "method", "genrl.methods.afd", "salt of the online teacher's seed",
+                shares=("tmd.inner_noise",), why=_DIFFERENT_RUNS),
+    NoiseStream("distill.fm_sigma", 34, 1, "method", "genrl.methods.distill (teacher_forced_fm_loss: AFD)",
+                "the teacher-forced flow-matching loss's chunk noise levels"),
+    NoiseStream("distill.fm_eps", 35, 1, "method", "genrl.methods.distill (teacher_forced_fm_loss: AFD)",
+                "the teacher-forced flow-matching loss's noise", shares=("tmd.dropout",), why=_DIFFERENT_RUNS),
+    NoiseStream("tmd.x1", 31, 1, "method", "genrl.methods.tmd", "the outer point's noise x1",
+                shares=("ram.eps", "afd.sigma"), why=_DIFFERENT_RUNS),
+    NoiseStream("tmd.outer", 32, 1, "method", "genrl.methods.tmd", "the outer time",
+                shares=("ram.t", "afd.eps"), why=_DIFFERENT_RUNS),
+    NoiseStream("tmd.inner_noise", 33, 1, "method", "genrl.methods.tmd", "the inner noise y1",
+                shares=("afd.teacher",), why=_DIFFERENT_RUNS),
+    NoiseStream("tmd.inner_time", 3000, 2, "method", "genrl.methods.tmd via genrl.flow.tmd.sample_inner_times",
+                "the inner time s (3000) and the r = s coin (3001): sample_inner_times' default stream"),
+    NoiseStream("tmd.dropout", 35, 1, "method", "genrl.methods.tmd", "caption dropout",
+                shares=("distill.fm_eps",), why=_DIFFERENT_RUNS),
+    NoiseStream("tmd.dmd", 36, 1, "method", "genrl.methods.tmd", "the DMD stage's noising"),
+    NoiseStream("tmd.critic", 37, 1, "method", "genrl.methods.tmd", "the critic's noising"),
+    NoiseStream("tmd.gan_real", 38, 1, "method", "genrl.methods.tmd", "the GAN's real-sample noise"),
+    NoiseStream("preview.select", 41, 1, "method", "genrl.methods.preview", "which rows get a preview",
+                shares=("rwr.t", "distill.pair_sigma"), why=_DIFFERENT_RUNS),
+    NoiseStream("rwr.t", 41, 1, "method", "genrl.methods.rwr", "the re-noising time",
+                shares=("preview.select", "distill.pair_sigma"), why=_DIFFERENT_RUNS),
+    NoiseStream("rwr.eps", 42, 1, "method", "genrl.methods.rwr", "the re-noising eps",
+                shares=("distill.pair_teacher",), why=_DIFFERENT_RUNS),
+    NoiseStream("distill.pair_sigma", 41, 1, "method", "genrl.methods.distill (paired_instance_noise: AFD)",
+                "the discriminator's instance-noise level", shares=("preview.select", "rwr.t"), why=_DIFFERENT_RUNS),
+    NoiseStream("distill.pair_teacher", 42, 1, "method", "genrl.methods.distill (paired_instance_noise: AFD)",
+                "the teacher clips' instance noise", shares=("rwr.eps",), why=_DIFFERENT_RUNS),
+    NoiseStream("distill.pair_student", 43, 1, "method", "genrl.methods.distill (paired_instance_noise: AFD)",
+                "the student clips' instance noise"),
+    NoiseStream("dpo.t", 51, 1, "method", "genrl.methods.dpo", "the re-noising time",
+                shares=("tempact.rollout",), why=_DIFFERENT_RUNS),
+    NoiseStream("dpo.eps", 52, 1, "method", "genrl.methods.dpo", "the re-noising eps",
+                shares=("tempact.fork",), why=_DIFFERENT_RUNS),
+    NoiseStream("tempact.rollout", 51, 1, "method", "genrl.methods.tempact", "salt of the rollouts' seed",
+                shares=("dpo.t",), why=_DIFFERENT_RUNS),
+    NoiseStream("tempact.fork", 52, 1, "method", "genrl.methods.tempact", "the fork points",
+                shares=("dpo.eps",), why=_DIFFERENT_RUNS),
+    NoiseStream("tempact.val", 53, 1, "method", "genrl.methods.tempact", "salt of the validation rollouts' seed"),
+    NoiseStream("dgpo.eps", 61, 1, "method", "genrl.methods.dgpo", "the error-estimate noise"),
+    NoiseStream("dgpo.sigma", 62, 1, "method", "genrl.methods.dgpo", "the error-estimate sigmas"),
+    NoiseStream("crd.eps", 71, 1, "method", "genrl.methods.crd", "the error-estimate noise"),
+    NoiseStream("crd.sigma", 72, 1, "method", "genrl.methods.crd", "the error-estimate sigmas"),
+    # ---- data, rewards, planners (their own seeds)
+    NoiseStream("data.shapes_render", 99, 1, "data", "genrl.data.shapes", "a real shapes-world video's render"),
+    NoiseStream("data.ode_chunk_state", 0x0DE1, 1, "data", "genrl.data.ode_pairs", "which ODE state per chunk"),
+    NoiseStream("data.online_render", 0x52454E44, 1, "data", "genrl.data.online_teacher", "start positions"),
+    NoiseStream("data.online_variant", 0x56415249, 1, "data", "genrl.data.online_teacher", "the cached variant"),
+    NoiseStream("data.teacher_pick", 0x54454143, 1, "data", "genrl.data.teacher_videos", "the clip / start choice"),
+    NoiseStream("data.teacher_holdout", 0x484F4C44, 1, "data", "genrl.data.teacher_videos",
+                "the held-out prompt choice"),
+    NoiseStream("reward.image_policy", 7, 1, "reward", "genrl.rewards.image", "a test policy's random images"),
+    NoiseStream("planner.plan", 0x9A7, 1, "planner", "genrl.models.plans", "a random plan"),
+)}
+
+
+def stream_id(name: str, k: int = 0) -> int:
+    """The k-th stream id of the registered range ``name`` (:data:`STREAMS`).
+
+    Raises:
+        ValueError: an unknown name (lists the known ones), or k outside the range (names its size).
+    """
+    s = STREAMS.get(name)
+    if s is None:
+        raise ValueError(f"unknown noise stream {name!r}; register it in genrl.noise.STREAMS (known: "
+                         f"{', '.join(sorted(STREAMS))})")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (s.count is not None and k >= s.count):
+        size = "open-ended" if s.count is None else f"{s.count} id(s), k in [0, {s.count})"
+        raise ValueError(f"noise stream {name!r} has {size}, got k={k!r}; widen its range in genrl.noise.STREAMS "
+                         f"(disjoint from the others of its domain) or fix k")
+    return s.first + k
 
 # ------------------------------------------------------------------------------------------ Philox4x32-10
 _MASK32 = 0xFFFFFFFF

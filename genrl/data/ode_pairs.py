@@ -52,7 +52,7 @@ from genrl.data.shapes import ShapesWorldConfig, as_world, sample_seed
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader, local_batch_size
 from genrl.data.video_io import atomic_write
 from genrl.models.causal import CausalConfig
-from genrl.noise import sample_generator
+from genrl.noise import sample_generator, stream_id
 
 __all__ = [
     "check_pair_sigmas",
@@ -397,7 +397,7 @@ class ODEPairsDataModule(ResumableStreamDataModule):
 
 # ---------------------------------------------------------------------------- training states of the regression
 #: random stream of the per-chunk state draw (see genrl.noise).
-_STREAM_CHUNK_STATE = 0x0DE1
+_STREAM_CHUNK_STATE = stream_id("data.ode_chunk_state")
 
 
 def draw_chunk_states(seed: int, sample_ids: Sequence[int] | torch.Tensor, step: int, num_chunks: int,

@@ -42,12 +42,12 @@ from genrl.data.teacher_videos import (
     _indices,
 )
 from genrl.data.video_io import atomic_write
-from genrl.noise import mix_seed, sample_generator
+from genrl.noise import mix_seed, sample_generator, stream_id
 
 __all__ = ["OnlineTeacherSpec", "ShapesRendererTeacher", "TeacherCache"]
 
-_STREAM_RENDER = 0x52454E44  # "REND": the renderer teacher's start positions
-_STREAM_VARIANT = 0x56415249  # "VARI": which cached variant a sample asks for
+_STREAM_RENDER = stream_id("data.online_render")  # "REND": the renderer teacher's start positions
+_STREAM_VARIANT = stream_id("data.online_variant")  # "VARI": which cached variant a sample asks for
 _CACHE_FORMAT = "genrl.online_teacher"
 
 

@@ -63,7 +63,10 @@ import torch
 from torch import Tensor
 
 from genrl.models.plans import uniform_spans
-from genrl.noise import mix_seed, sample_generator
+from genrl.noise import mix_seed, sample_generator, stream_id
+
+#: the stream of a real video's render (genrl.noise.STREAMS).
+_RENDER_STREAM = stream_id("data.shapes_render")
 
 __all__ = [
     "PALETTE",
@@ -953,5 +956,5 @@ def real_videos(config: ShapesWorldConfig, prompts: list[str], seed: int) -> Ten
     """
     if not prompts:
         return torch.zeros(0, config.num_frames, 3, config.height, config.width)
-    return torch.stack([render(parse_caption(p, config), config, sample_generator(seed, i, 0, 99))
+    return torch.stack([render(parse_caption(p, config), config, sample_generator(seed, i, 0, _RENDER_STREAM))
                         for i, p in enumerate(prompts)])

@@ -98,7 +98,7 @@ from genrl.data.shapes import ShapesWorldConfig, as_world
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
 from genrl.data.video_folder import DEFAULT_VIDEO_EXTENSIONS
 from genrl.data.video_io import VideoReadError, atomic_write, clip_indices, probe_video, read_video, resize_center_crop
-from genrl.noise import mix_seed, sample_generator
+from genrl.noise import mix_seed, sample_generator, stream_id
 from genrl.rollout.sampler import RolloutConfig, rollout
 
 __all__ = [
@@ -127,8 +127,8 @@ CAPTION_FILES: tuple[str, ...] = (
 _FILE_KEYS = ("file", "file_name")
 _CAPTION_KEYS = ("caption", "prompt", "text")
 _EPS = 1e-6  # the floor() guard of video_io.clip_indices
-_PICK_STREAM = 0x54454143  # "TEAC": random stream of the clip / start choice
-_HOLDOUT_STREAM = 0x484F4C44  # "HOLD": random stream of the held-out prompt choice
+_PICK_STREAM = stream_id("data.teacher_pick")  # "TEAC": random stream of the clip / start choice
+_HOLDOUT_STREAM = stream_id("data.teacher_holdout")  # "HOLD": random stream of the held-out prompt choice
 _CACHE_FORMAT = "genrl.teacher_latent"
 ResizeMode = Literal["area", "bilinear"]
 CropMode = Literal["center", "none"]

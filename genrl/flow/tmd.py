@@ -51,7 +51,7 @@ from genrl.flow.broadcast import _expand, compute_dtype
 from genrl.flow.dmd import dmd_gradient, dmd_loss
 from genrl.flow.parameterization import add_noise
 from genrl.flow.schedules import shift_sigmas
-from genrl.noise import NoiseBackend, rand_per_sample, randn_per_sample
+from genrl.noise import NoiseBackend, rand_per_sample, randn_per_sample, stream_id
 
 __all__ = [
     "INNER_TIME_STREAM",
@@ -84,7 +84,7 @@ LossNorm = Literal["squared", "norm"]
 LOSS_NORMS = ("squared", "norm")
 
 #: the default noise stream of :func:`sample_inner_times`: s is drawn on this stream, the r = s coin on the next.
-INNER_TIME_STREAM = 3000
+INNER_TIME_STREAM = stream_id("tmd.inner_time")
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

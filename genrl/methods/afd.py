@@ -54,14 +54,14 @@ from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import ramped_decay
 from genrl.models.spec import ModelSpec
-from genrl.noise import mix_seed, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample, stream_id
 from genrl.rollout.autoregressive import ChunkSchedule, teacher_forced_velocity
 
 __all__ = ["AFD"]
 
-_STREAM_SIGMA = 31
-_STREAM_EPS = 32
-_STREAM_TEACHER = 33  # the online teacher's seed: mix_seed(seed, _STREAM_TEACHER)
+_STREAM_SIGMA = stream_id("afd.sigma")
+_STREAM_EPS = stream_id("afd.eps")
+_STREAM_TEACHER = stream_id("afd.teacher")  # the online teacher's seed: mix_seed(seed, _STREAM_TEACHER)
 
 
 class AFD(LightningModule):

@@ -40,9 +40,12 @@ from genrl.methods.common import (
 from genrl.methods.phases import collect_tree, flat_validation_step, optimizer_steps, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.noise import mix_seed
+from genrl.noise import mix_seed, stream_id
 from genrl.rollout.sampler import RolloutConfig, encode_cfg
 from genrl.rollout.tree import TreeConfig, edge_log_prob
+
+#: the stream of the kept leaves' order (genrl.noise.STREAMS).
+_ORDER_STREAM = stream_id("branch_grpo.order")
 
 __all__ = ["BranchGRPO"]
 
@@ -200,7 +203,8 @@ class BranchGRPO(LightningModule):
         # the kept edges in a seeded order, grouped by step inside each optimizer step (one network call per step)
         cond_t, uncond_t = encode_cfg(gen, prompts, cfg)
         kept = torch.nonzero(keep).flatten()
-        order = kept[torch.randperm(len(kept), generator=torch.Generator().manual_seed(mix_seed(seed, it, 13)))]
+        g = torch.Generator().manual_seed(mix_seed(seed, it, _ORDER_STREAM))
+        order = kept[torch.randperm(len(kept), generator=g)]
         per_step = self.hparams.edges_per_step or len(order)
 
         def unit(sel: torch.Tensor, k: int, n_chunk: int):

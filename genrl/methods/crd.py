@@ -52,11 +52,12 @@ from genrl.methods.phases import (
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import ramped_decay
+from genrl.noise import stream_id
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["CRD"]
 
-_STREAM_EPS, _STREAM_SIGMA = 71, 72
+_STREAM_EPS, _STREAM_SIGMA = stream_id("crd.eps"), stream_id("crd.sigma")
 
 
 class CRD(LightningModule):

@@ -50,11 +50,12 @@ from genrl.methods.phases import (
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import ramped_decay
+from genrl.noise import stream_id
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["DGPO"]
 
-_STREAM_EPS, _STREAM_SIGMA = 61, 62
+_STREAM_EPS, _STREAM_SIGMA = stream_id("dgpo.eps"), stream_id("dgpo.sigma")
 
 
 class DGPO(LightningModule):

@@ -28,7 +28,7 @@ from genrl.models.conditions import null_prompts, prompt_image
 from genrl.models.roles import swapped_transformer
 from genrl.models.text_encoder import Conditioning
 from genrl.models.trunk import trunk_adapter
-from genrl.noise import rand_per_sample, randn_per_sample, sample_generator
+from genrl.noise import rand_per_sample, randn_per_sample, sample_generator, stream_id
 from genrl.rollout.autoregressive import ARResult, ChunkSchedule, ar_rollout, sample_exit_step, teacher_forced_velocity
 
 __all__ = ["CAUSAL_INTERFACE", "SaturationMonitor", "ScoreRole", "causal_samples", "causal_videos",
@@ -42,9 +42,11 @@ __all__ = ["CAUSAL_INTERFACE", "SaturationMonitor", "ScoreRole", "causal_samples
 CAUSAL_INTERFACE = ("init_cache", "velocity_chunk", "commit")
 
 # random streams of the paired instance noise (:func:`paired_instance_noise`)
-_STREAM_PAIR_SIGMA, _STREAM_PAIR_TEACHER, _STREAM_PAIR_STUDENT = 41, 42, 43
+_STREAM_PAIR_SIGMA, _STREAM_PAIR_TEACHER, _STREAM_PAIR_STUDENT = (stream_id("distill.pair_sigma"),
+                                                                 stream_id("distill.pair_teacher"),
+                                                                 stream_id("distill.pair_student"))
 # random streams of the teacher flow-matching term (:func:`teacher_forced_fm_loss`): noise levels and noise
-_STREAM_FM_SIGMA, _STREAM_FM_EPS = 34, 35
+_STREAM_FM_SIGMA, _STREAM_FM_EPS = stream_id("distill.fm_sigma"), stream_id("distill.fm_eps")
 
 
 def configure_student(method: LightningModule, build=build_student):

@@ -49,12 +49,13 @@ from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.spec import ModelSpec
 from genrl.models.text_encoder import Conditioning
-from genrl.noise import mix_seed
+from genrl.noise import mix_seed, stream_id
 from genrl.rollout.autoregressive import ChunkSchedule
 
 __all__ = ["DMD", "ScoreRole"]  # ScoreRole: re-exported from genrl.methods.distill
 
-_STREAM_DMD_NOISE, _STREAM_CRITIC_NOISE = 21, 22  # the generator's and the critic's noising (dmd_noised)
+# the generator's and the critic's noising (dmd_noised)
+_STREAM_DMD_NOISE, _STREAM_CRITIC_NOISE = stream_id("dmd.noise"), stream_id("dmd.critic")
 
 
 class DMD(LightningModule):

@@ -52,11 +52,12 @@ from genrl.methods.phases import (
 )
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
+from genrl.noise import stream_id
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["DPO"]
 
-_STREAM_T, _STREAM_EPS = 51, 52
+_STREAM_T, _STREAM_EPS = stream_id("dpo.t"), stream_id("dpo.eps")
 
 
 class DPO(LightningModule):

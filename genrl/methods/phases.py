@@ -41,7 +41,7 @@ from genrl.methods.common import (
     world_of,
 )
 from genrl.models.conditions import null_prompts
-from genrl.noise import mix_seed, rand_per_sample, randn_per_sample
+from genrl.noise import mix_seed, rand_per_sample, randn_per_sample, stream_id
 from genrl.rollout.sampler import RolloutConfig, rollout
 from genrl.rollout.tree import TreeConfig, tree_rollout
 
@@ -313,7 +313,7 @@ def micro_batches(n: int, size: int) -> list[torch.Tensor]:
 
 
 def update_plan(seed: int, iteration: int, n: int, mini_batch: int, inner_epochs: int = 1,
-                stream: int = 11) -> list[torch.Tensor]:
+                stream: int = stream_id("phases.update_order")) -> list[torch.Tensor]:
     """The rows of every optimizer step of a PPO-style update (Schulman et al. 2017, "epochs" of mini-batches over one
     rollout batch): ``inner_epochs`` passes over the ``n`` local rows, each cut into consecutive mini-batches of
     ``mini_batch`` rows (the last one shorter when ``mini_batch`` does not divide ``n``). With one pass the rows keep

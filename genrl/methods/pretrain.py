@@ -36,13 +36,14 @@ from genrl.models.families import GeneratorSpec
 from genrl.models.generator import DiTGenerator
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import Roles
-from genrl.noise import randn_per_sample, sample_generator
+from genrl.noise import randn_per_sample, sample_generator, stream_id
 from genrl.rollout.ode import sample_ode
 
 __all__ = ["FlowMatchingPretrain"]
 
 # random streams of one training sample (see genrl.noise)
-_STREAM_NOISE, _STREAM_SIGMA, _STREAM_DROPOUT = 0, 1, 2
+_STREAM_NOISE, _STREAM_SIGMA, _STREAM_DROPOUT = (stream_id("pretrain.noise"), stream_id("pretrain.sigma"),
+                                                stream_id("pretrain.dropout"))
 
 
 class FlowMatchingPretrain(LightningModule):

@@ -38,7 +38,7 @@ from lightning.pytorch import LightningModule
 from genrl.flow.selection import SelectionMode, proxy_fidelity, select_candidates
 from genrl.methods.common import gather_batch
 from genrl.models.quantized import RolloutPrecision
-from genrl.noise import mix_seed
+from genrl.noise import mix_seed, stream_id
 from genrl.rollout.sampler import RolloutConfig, rollout
 
 __all__ = ["PreviewConfig", "Selection", "configure_preview", "log_proxy_fidelity", "preview_config",
@@ -46,7 +46,7 @@ __all__ = ["PreviewConfig", "Selection", "configure_preview", "log_proxy_fidelit
 
 #: the rollout-copy role a previewing method declares
 ROLE = "rollout"
-_STREAM_SELECT = 41
+_STREAM_SELECT = stream_id("preview.select")
 
 
 @dataclass

@@ -53,12 +53,13 @@ from genrl.methods.preview import PreviewConfig, configure_preview, log_proxy_fi
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
 from genrl.models.roles import ramped_decay
+from genrl.noise import stream_id
 from genrl.rollout.sampler import RolloutConfig
 
 __all__ = ["RAM"]
 
 Objective = Literal["ram", "nft", "awm"]
-_STREAM_EPS, _STREAM_T = 31, 32
+_STREAM_EPS, _STREAM_T = stream_id("ram.eps"), stream_id("ram.t")
 
 
 class RAM(LightningModule):

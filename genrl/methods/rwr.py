@@ -26,7 +26,10 @@ from genrl.methods.common import (
 from genrl.methods.phases import collect_endpoints, group_advantages_of, optimizer_steps, renoise, score
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
+from genrl.noise import stream_id
 from genrl.rollout.sampler import RolloutConfig
+
+_STREAM_T, _STREAM_EPS = stream_id("rwr.t"), stream_id("rwr.eps")  # the re-noising time and eps
 
 __all__ = ["RewardWeightedRegression"]
 
@@ -69,7 +72,7 @@ class RewardWeightedRegression(LightningModule):
         w = w / w[valid].mean()
 
         def unit():
-            t, _, x_t, u = renoise(ro.samples.float(), index, h.seed, it, 0, 41, 42, density="uniform")
+            t, _, x_t, u = renoise(ro.samples.float(), index, h.seed, it, 0, _STREAM_T, _STREAM_EPS, density="uniform")
             v = gen.velocity(x_t, t, gen.encode_prompts(prompts)).float()
             loss = advantage_weighted_fm_loss(v, u, w.to(v.device))
             return loss, {"loss": float(loss.detach())}, 1

@@ -50,13 +50,14 @@ from genrl.methods.phases import Rollouts, optimizer_steps, score
 from genrl.methods.planning import build_planner, check_planner_spec, plan_frame_spans, sample_plans
 from genrl.models.families import GeneratorSpec
 from genrl.models.lora import LoraSpec
-from genrl.noise import mix_seed
+from genrl.noise import mix_seed, stream_id
 from genrl.rollout.autoregressive import ChunkSchedule
 from genrl.rollout.branches import branch_rollout, replay_forks
 
 __all__ = ["TempAct"]
 
-_STREAM_ROLLOUT, _STREAM_FORK, _STREAM_VAL = 51, 52, 53
+_STREAM_ROLLOUT, _STREAM_FORK, _STREAM_VAL = (stream_id("tempact.rollout"), stream_id("tempact.fork"),
+                                            stream_id("tempact.val"))
 
 
 class TempAct(LightningModule):

@@ -80,15 +80,16 @@ from genrl.models.trunk import (  # re-exported: the export layout of a TMD run
     save_head,
     trunk_adapter,
 )
-from genrl.noise import mix_seed, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample, stream_id
 from genrl.rollout.transition import TransitionConfig, inner_flow, load_transition_model, transition_rollout
 
 __all__ = ["TMD", "HEAD_CONFIG_FILE", "HEAD_WEIGHTS_FILE", "load_head", "load_transition_model", "save_head"]
 
 
 # random streams of one training sample (genrl.noise)
-_S_X1, _S_OUTER, _S_INNER_NOISE, _S_INNER_TIME, _S_DROPOUT, _S_DMD, _S_CRITIC = 31, 32, 33, 34, 35, 36, 37
-_S_GAN_REAL = 38
+_S_X1, _S_OUTER, _S_INNER_NOISE = stream_id("tmd.x1"), stream_id("tmd.outer"), stream_id("tmd.inner_noise")
+_S_DROPOUT, _S_DMD, _S_CRITIC = stream_id("tmd.dropout"), stream_id("tmd.dmd"), stream_id("tmd.critic")
+_S_GAN_REAL = stream_id("tmd.gan_real")
 _STAGES = ("meanflow", "dmd")
 _HINT = " or check the teacher / critic weights"
 

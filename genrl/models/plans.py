@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from genrl.noise import mix_seed
+from genrl.noise import mix_seed, stream_id
 
 __all__ = ["Step", "Plan", "validate_steps", "uniform_spans", "fallback_plan", "parse_plan", "plan_to_json",
            "split_then", "TEMPLATE_CANDIDATES", "template_plan", "TemplatePlanner",
@@ -334,7 +334,7 @@ class TemplatePlanner(torch.nn.Module):
         logp = torch.log_softmax(self.logits.detach().float().cpu(), dim=0)
         out = []
         for prompt, i in zip(global_prompts, ids):
-            g = torch.Generator().manual_seed(mix_seed(seed, iteration, i, 0x9A7))
+            g = torch.Generator().manual_seed(mix_seed(seed, iteration, i, stream_id("planner.plan")))
             picks = torch.multinomial(logp.exp(), k, replacement=True, generator=g)
             cands = self.plans_for(prompt, num_chunks)
             out.append([replace(cands[int(c)], behaviour_log_probs=logp[int(c)].reshape(1).clone()) for c in picks])

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from genrl.noise import mix_seed
+from genrl.noise import mix_seed, stream_id
 from genrl.rewards.base import RewardModel
 
 __all__ = ["FramePolicy", "ImageRewardModel", "select_frames"]
@@ -88,7 +88,7 @@ def select_frames(num_frames: int, batch: int, policy: FramePolicy, call: int = 
         k = min(policy.num_frames, t)
         rows = []
         for b in range(batch):
-            g = torch.Generator().manual_seed(mix_seed(policy.seed, call, b, 7))
+            g = torch.Generator().manual_seed(mix_seed(policy.seed, call, b, stream_id("reward.image_policy")))
             rows.append(torch.randperm(t, generator=g)[:k].sort().values)
         return torch.stack(rows)
     return idx.unsqueeze(0).expand(batch, -1)

@@ -27,7 +27,7 @@ import torch
 
 from genrl.models.causal import CausalConfig, ChunkSchedule, KVCache
 from genrl.models.text_encoder import Conditioning
-from genrl.noise import mix_seed, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample, stream_id
 
 __all__ = ["ChunkSchedule", "ARState", "ARResult", "new_state", "ar_rollout", "fork", "switch_prompt",
            "sample_exit_step", "chunk_noise", "step_dtype", "teacher_forced_velocity"]
@@ -98,7 +98,8 @@ def chunk_noise(state: ARState, frame_shape: Sequence[int], chunk: int, step: in
     """Standard normal noise of chunk ``chunk`` at step ``step`` for the state's samples, generator layout
     (drawn in float32, then cast to ``dtype``: the same values for a float64 model)."""
     shape = _chunk_shape(frame_shape, num_frames, state.frame_dim)
-    noise = randn_per_sample(shape, state.seed, state.indices, step=step, stream=1 + chunk, device=device)
+    noise = randn_per_sample(shape, state.seed, state.indices, step=step, stream=stream_id("rollout.ar_chunk", chunk),
+                            device=device)
     return noise.to(dtype)
 
 
@@ -235,7 +236,7 @@ def sample_exit_step(num_steps: int, seed: int, iteration: int, mode: Literal["u
     if mode == "last":
         value = num_steps - 1
     else:
-        g = torch.Generator().manual_seed(mix_seed(seed, iteration, rank, 0xE817))
+        g = torch.Generator().manual_seed(mix_seed(seed, iteration, rank, stream_id("rollout.ar_exit_step")))
         value = int(torch.randint(num_steps, (1,), generator=g))
     return int(broadcast(value)) if broadcast is not None else value
 

@@ -30,7 +30,7 @@ import torch
 from genrl.models.causal import ChunkSchedule
 from genrl.models.plans import Plan
 from genrl.models.text_encoder import Conditioning
-from genrl.noise import mix_seed
+from genrl.noise import mix_seed, stream_id
 from genrl.rollout.autoregressive import (
     ARState,
     SwitchMode,
@@ -45,7 +45,7 @@ from genrl.rollout.autoregressive import (
 __all__ = ["BranchRollout", "ChunkTrace", "branch_rollout", "branch_indices", "replay_forks", "step_texts",
            "BRANCH_STREAM"]
 
-BRANCH_STREAM = 0xB7A
+BRANCH_STREAM = stream_id("rollout.branch_seed")
 """Stream mixed into the run seed for the continuations' noise (distinct from the prefix's)."""
 
 

@@ -40,14 +40,14 @@ from genrl.flow.history_guidance import CompiledGuidance, HistoryGuidance
 from genrl.flow.sde import sde_step
 from genrl.models.conditions import null_prompts
 from genrl.models.text_encoder import Conditioning
-from genrl.noise import randn_per_sample
+from genrl.noise import randn_per_sample, stream_id
 from genrl.rollout.sampler import RolloutConfig, guided_velocity, sde_mask
 
 __all__ = ["WINDOW_STREAM", "HistorySample", "history_rollout", "noised_history", "sample_window"]
 
 #: the noise stream base of the windows after the first (window w: ``WINDOW_STREAM + 2 w``, its history re-noising
 #: ``WINDOW_STREAM + 2 w + 1``).
-WINDOW_STREAM = 1000
+WINDOW_STREAM = stream_id("rollout.history_window")
 
 
 @dataclass
@@ -98,7 +98,7 @@ def noised_history(history: torch.Tensor, sigma: torch.Tensor, noise: torch.Tens
 
 def _streams(window: int) -> tuple[int, int]:
     if window == 0:
-        return 0, WINDOW_STREAM + 1
+        return stream_id("rollout.flat"), WINDOW_STREAM + 1
     return WINDOW_STREAM + 2 * window, WINDOW_STREAM + 2 * window + 1
 
 

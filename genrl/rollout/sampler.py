@@ -26,7 +26,11 @@ from genrl.flow import cfg_combine, sigma_schedule
 from genrl.flow.sde import sde_step, step_log_prob
 from genrl.models.conditions import null_prompts
 from genrl.models.text_encoder import Conditioning
-from genrl.noise import NoiseBackend, check_backend, mix_seed, randn_per_sample
+from genrl.noise import NoiseBackend, check_backend, mix_seed, randn_per_sample, stream_id
+
+#: the flat rollout's noise stream (initial noise at step 0, SDE noise at step k + 1) and the stream of initial noise
+#: addressed by key (genrl.noise.STREAMS).
+_FLAT, _INITIAL_BY_KEY = stream_id("rollout.flat"), stream_id("rollout.initial_by_key")
 
 __all__ = ["BATCHING_MODES", "SDE_STEP_MODES", "RolloutConfig", "Trajectory", "call_plan", "encode_cfg",
            "guided_velocity", "rollout", "sde_mask", "transition_log_prob"]
@@ -281,7 +285,7 @@ def sde_mask(config: RolloutConfig, seed: int, rollout_id: int = 0) -> torch.Ten
         else:
             lo, end = config.sde_range()
             candidates = list(range(lo, end))
-        g = torch.Generator().manual_seed(mix_seed(seed, rollout_id, 0, 98))
+        g = torch.Generator().manual_seed(mix_seed(seed, rollout_id, 0, stream_id("rollout.sde_random_steps")))
         picked = torch.randperm(len(candidates), generator=g)[:n]
         mask[torch.tensor([candidates[int(i)] for i in picked], dtype=torch.long)] = True
     else:
@@ -291,7 +295,7 @@ def sde_mask(config: RolloutConfig, seed: int, rollout_id: int = 0) -> torch.Ten
             raise ValueError(
                 f"window of {n} steps does not fit in [{config.window_start}, {end})"
             )
-        g = torch.Generator().manual_seed(mix_seed(seed, rollout_id, 0, 99))
+        g = torch.Generator().manual_seed(mix_seed(seed, rollout_id, 0, stream_id("rollout.sde_window")))
         k = int(torch.randint(config.window_start, hi + 1, (1,), generator=g))
         mask[k : k + n] = True
     if config.skip_last_step:
@@ -511,10 +515,11 @@ def rollout(
                 raise ValueError(f"initial_noise: group shares the starting noise by group id: pass initial_keys (the "
                                  f"{n} samples' group ids; GRPO passes batch['group']), got "
                                  f"{None if initial_keys is None else len(initial_keys)}")
-            x = randn_per_sample(latent_shape, seed, torch.as_tensor(list(map(int, initial_keys))), step=0, stream=1,
-                                 device=device, backend=config.noise_backend)
+            x = randn_per_sample(latent_shape, seed, torch.as_tensor(list(map(int, initial_keys))), step=0,
+                                 stream=_INITIAL_BY_KEY, device=device, backend=config.noise_backend)
         else:
-            x = randn_per_sample(latent_shape, seed, indices, step=0, device=device, backend=config.noise_backend)
+            x = randn_per_sample(latent_shape, seed, indices, step=0, stream=_FLAT, device=device,
+                                 backend=config.noise_backend)
         fixed = fixed_latents(generator, cond)
         keep = None
         if fixed is not None:
@@ -533,7 +538,7 @@ def rollout(
                 v = guided_velocity(generator, x, s, cond, uncond, config.cfg_scale, config.micro_batch_size,
                                     config.batching)
             if mask[k]:
-                noise = randn_per_sample(latent_shape, seed, indices, step=k + 1, device=device,
+                noise = randn_per_sample(latent_shape, seed, indices, step=k + 1, stream=_FLAT, device=device,
                                          backend=config.noise_backend)
                 kind = config.kernel
             else:

@@ -40,16 +40,16 @@ from genrl.flow.tmd import (
     outer_step,
     transition_grid,
 )
-from genrl.noise import NoiseBackend, check_backend, randn_per_sample
+from genrl.noise import NoiseBackend, check_backend, randn_per_sample, stream_id
 from genrl.rollout.sampler import BATCHING_MODES, call_plan
 
 __all__ = ["INNER_STREAM", "OUTER_STREAM", "TransitionConfig", "TransitionModelLike", "TransitionResult",
            "inner_flow", "load_transition_model", "transition_rollout"]
 
 #: the noise stream of the start noise x_{t_M} (step 0): the flat rollout's initial-noise stream.
-OUTER_STREAM = 0
+OUTER_STREAM = stream_id("rollout.flat")
 #: the noise stream of the inner noise y1 (step k = the outer transition's number in execution order).
-INNER_STREAM = 2000
+INNER_STREAM = stream_id("rollout.transition_inner")
 
 
 @runtime_checkable

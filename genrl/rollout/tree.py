@@ -28,8 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from genrl.flow.sde import StepOutput, sde_step, step_log_prob
-from genrl.noise import mix_seed, randn_per_sample
+from genrl.noise import mix_seed, randn_per_sample, stream_id
 from genrl.rollout.sampler import RolloutConfig, _encode, fixed_latents, guided_velocity
+
+#: a tree's noise stream (the flat rollout's) and the salt of its node indices (genrl.noise.STREAMS).
+_FLAT, _NODE_SALT = stream_id("rollout.flat"), stream_id("rollout.tree_node")
 
 __all__ = ["TreeConfig", "TreeRollout", "tree_rollout", "edge_log_prob", "regenerate_leaf"]
 
@@ -195,7 +198,7 @@ class TreeRollout:
 
 
 def _node_index(tree_index: torch.Tensor, codes: torch.Tensor) -> list[int]:
-    return [mix_seed(int(t), int(c), 0x7E2) for t, c in zip(tree_index.tolist(), codes.tolist())]
+    return [mix_seed(int(t), int(c), _NODE_SALT) for t, c in zip(tree_index.tolist(), codes.tolist())]
 
 
 def _tree_step(config: RolloutConfig, tree: TreeConfig, k: int, stochastic: bool, x: torch.Tensor,
@@ -214,7 +217,8 @@ def _tree_step(config: RolloutConfig, tree: TreeConfig, k: int, stochastic: bool
     """
     if not stochastic:
         return sde_step("ode", x, v, sig32[k], sig32[k + 1], None, keep=keep), 1.0
-    noise = randn_per_sample(latent_shape, seed, _node_index(tree_index, codes), step=k + 1, device=x.device,
+    noise = randn_per_sample(latent_shape, seed, _node_index(tree_index, codes), step=k + 1, stream=_FLAT,
+                            device=x.device,
                              backend=config.noise_backend)
     split = k in tree.split_steps
     scale = tree.split_noise_scale if split else 1.0
@@ -268,7 +272,8 @@ def tree_rollout(
     mask = tree.sde_mask(config.num_steps)
     with torch.no_grad():
         cond_t, uncond_t = _encode(generator, list(prompts), config)
-        x = randn_per_sample(latent_shape, seed, idx, step=0, device=device, backend=config.noise_backend)
+        x = randn_per_sample(latent_shape, seed, idx, step=0, stream=_FLAT, device=device,
+                             backend=config.noise_backend)
         fixed = fixed_latents(generator, cond_t)  # a given first frame (image-to-video): per tree
         keep_t = None
         if fixed is not None:
@@ -375,7 +380,8 @@ def regenerate_leaf(
     f, n_splits = tree.branch_factor, len(tree.split_steps)
     with torch.no_grad():
         cond, uncond = _encode(generator, [prompt], config)
-        x = randn_per_sample(latent_shape, seed, [tree_index], step=0, device=device, backend=config.noise_backend)
+        x = randn_per_sample(latent_shape, seed, [tree_index], step=0, stream=_FLAT, device=device,
+                             backend=config.noise_backend)
         fixed = fixed_latents(generator, cond)
         keep = None if fixed is None else fixed[1]
         if fixed is not None:
