@@ -401,34 +401,28 @@ def measure(args: argparse.Namespace) -> dict:
     sub = traj.select([0])
     c1, u1 = cond.select([0]), uncond.select([0])
     adv = torch.ones(1, device=device)
-    times = []
-    for _ in range(2):  # the first step warms up
+
+    def update(t_sub, c, u, a) -> float:
+        """One GRPO optimizer step on the trajectory ``t_sub`` (every trained step), synchronised seconds."""
         _sync()
         t = time.perf_counter()
         for k in traj.sde_steps:
-            lp, _, _ = transition_log_prob(gen, sub, k, c1, u1)
-            loss, _ = clipped_policy_loss(lp, sub.log_probs[:, k].to(lp.device), adv, clip_range=1e-4)
+            lp, _, _ = transition_log_prob(gen, t_sub, k, c, u)
+            loss, _ = clipped_policy_loss(lp, t_sub.log_probs[:, k].to(lp.device), a, clip_range=1e-4)
             (loss.mean() / len(traj.sde_steps)).backward()
         opt.step()
         opt.zero_grad()
         _sync()
-        times.append(time.perf_counter() - t)
+        return time.perf_counter() - t
+
+    times = [update(sub, c1, u1, adv) for _ in range(2)]  # the first step warms up
     grpo_peak = _peak_gib(device)
     update_s, update_peak = times[-1], grpo_peak  # one sample: the step above is the whole batch's update
     if args.batch > 1:  # the update of the whole batch, as GRPO's first optimizer step (after the warm-up above)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        adv_b = torch.ones(args.batch, device=device)
-        _sync()
-        t = time.perf_counter()
-        for k in traj.sde_steps:
-            lp, _, _ = transition_log_prob(gen, traj, k, cond, uncond)
-            loss, _ = clipped_policy_loss(lp, traj.log_probs[:, k].to(lp.device), adv_b, clip_range=1e-4)
-            (loss.mean() / len(traj.sde_steps)).backward()
-        opt.step()
-        opt.zero_grad()
-        _sync()
-        update_s, update_peak = time.perf_counter() - t, _peak_gib(device)
+        update_s = update(traj, cond, uncond, torch.ones(args.batch, device=device))
+        update_peak = _peak_gib(device)
     iteration_s = rollout_s + decode_batch_s + reward_s + update_s
     result = {
         "family": args.family, "tiny": args.tiny, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -455,16 +449,20 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
+def emit(result: dict, out: str | None) -> dict:
+    """Print ``result`` as one JSON line and append it to the file ``out`` (when given); returns ``result``."""
+    line = json.dumps(result)
+    print(line)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     """The command: :func:`measure`, then one JSON line on stdout (appended to ``--out`` when given)."""
     args = parse_args(argv)
-    result = measure(args)
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(line + "\n")
-    return result
+    return emit(measure(args), args.out)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -292,13 +291,7 @@ def measure(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """The command: :func:`measure`, then one JSON line on stdout (appended to ``--out`` when given)."""
     args = parse_args(argv)
-    result = measure(args)
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(line + "\n")
-    return result
+    return family_grpo_step.emit(measure(args), args.out)
 
 
 if __name__ == "__main__":

@@ -163,14 +163,12 @@ def discover(videos: str | Path, manifest: str | Path | None = None, allow_unlis
 def _conditioning_image(record: dict[str, Any], folder: Path) -> Path | None:
     """The image a manifest line was generated from: its ``image``, else ``metadata["image"]`` (relative paths
     from ``folder``, the manifest's); None for a text-only sample. Raises ValueError: a value that is not a path."""
+    from genrl.models.conditions import image_path
+
     value = record.get("image") or (record.get("metadata") or {}).get("image")
     if value is None:
         return None
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"manifest line of {record.get('file')!r}: image={value!r} is not a file path; give the "
-                         f"image file (absolute, or relative to the manifest's folder)")
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else folder / path
+    return image_path(value, folder, f"manifest line of {record.get('file')!r}")
 
 
 def load_image(path: Path) -> torch.Tensor:

@@ -282,5 +282,5 @@ def test_image_lines_make_image_prompts_relative_to_the_file(tmp_path, monkeypat
     batch = PromptStream(recs, 3, 2, 0, False, 0, 1).batch(0)  # a group repeats the Prompt object, image included
     assert [prompt_image(p) for p in batch["prompts"][:2]] == [str(folder / "frames/car.png")] * 2
     (folder / "bad.jsonl").write_text('{"prompt": "a car", "image": 3}\n')
-    with pytest.raises(ValueError, match="image=3; give a file path"):
+    with pytest.raises(ValueError, match="image=3 is not a file path"):
         load_prompts(str(folder / "bad.jsonl"))

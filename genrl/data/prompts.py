@@ -61,7 +61,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from genrl.assets import VBENCH_DIMENSIONS, assets_dir
 from genrl.data.shapes import ShapeSpec, ShapesWorldConfig, as_world, caption, combos, heldout_combos, sample_seed
 from genrl.data.shapes_datamodule import ResumableStreamDataModule, ShapesTrainLoader
-from genrl.models.conditions import Prompt
+from genrl.models.conditions import Prompt, image_path
 
 __all__ = [
     "PromptRecord",
@@ -219,11 +219,7 @@ def _with_image(rec: PromptRecord, path: Path) -> PromptRecord:
     image = rec.metadata.get("image")
     if image is None:
         return rec
-    if not isinstance(image, str) or not image.strip():
-        raise ValueError(f"{str(path)!r}: the prompt {rec.prompt!r} has image={image!r}; give a file path (relative to "
-                         f"the prompt file's folder or absolute)")
-    file = Path(image).expanduser()
-    file = file if file.is_absolute() else path.parent / file
+    file = image_path(image, path.parent, f"{str(path)!r}, the prompt {rec.prompt!r}")
     return PromptRecord(Prompt(rec.prompt, str(file)), rec.metadata)
 
 

@@ -144,6 +144,27 @@ def frame_visibility(config: CausalConfig, query_frames: torch.Tensor, key_frame
     return visible
 
 
+def _check_commit(cache, layer_kv: list, group_frames: torch.Tensor, tokens_per_group: int,
+                  holds_tokens: bool) -> torch.Tensor:
+    """The checks of a commit into ``cache`` (a :class:`KVCache` or :class:`StaticKVCache`); returns
+    ``group_frames`` as int64 on the CPU. ``holds_tokens``: the cache's token layout is fixed already.
+
+    Raises:
+        ValueError: another token count per frame group or layer count than the cache's, or frames that do not
+            start where the cache ends.
+    """
+    group_frames = group_frames.to(torch.long).cpu()
+    if holds_tokens and tokens_per_group != cache.tokens_per_group:
+        raise ValueError(f"committing {tokens_per_group} tokens per frame group into a cache of "
+                         f"{cache.tokens_per_group}; the latent height / width changed mid-video")
+    if cache.keys and len(layer_kv) != len(cache.keys):
+        raise ValueError(f"{len(layer_kv)} layers committed into a cache of {len(cache.keys)}")
+    if int(group_frames[0]) != cache.end_frame:
+        raise ValueError(f"commit starts at latent frame {int(group_frames[0])} but the cache ends at "
+                         f"{cache.end_frame}; commit chunks in order")
+    return group_frames
+
+
 @dataclass
 class KVCache:
     """Self-attention keys / values of the committed (context) frames of a batch of videos.
@@ -195,15 +216,7 @@ class KVCache:
         Raises:
             ValueError: frames not contiguous with the cache, or a layer count / token count mismatch.
         """
-        group_frames = group_frames.to(torch.long).cpu()
-        if self.num_groups and tokens_per_group != self.tokens_per_group:
-            raise ValueError(f"committing {tokens_per_group} tokens per frame group into a cache of "
-                             f"{self.tokens_per_group}; the latent height / width changed mid-video")
-        if self.keys and len(layer_kv) != len(self.keys):
-            raise ValueError(f"{len(layer_kv)} layers committed into a cache of {len(self.keys)}")
-        if int(group_frames[0]) != self.end_frame:
-            raise ValueError(f"commit starts at latent frame {int(group_frames[0])} but the cache ends at "
-                             f"{self.end_frame}; commit chunks in order")
+        group_frames = _check_commit(self, layer_kv, group_frames, tokens_per_group, bool(self.num_groups))
         self.tokens_per_group = tokens_per_group
         if not self.keys:
             self.keys = [k for k, _ in layer_kv]
@@ -434,15 +447,7 @@ class StaticKVCache:
             RuntimeError: a frame's slot still holds a live frame (a cache without a window committed more than
                 ``max_frames`` frames: raise ``CausalConfig.max_frames``).
         """
-        group_frames = group_frames.to(torch.long).cpu()
-        if self.keys and tokens_per_group != self.tokens_per_group:
-            raise ValueError(f"committing {tokens_per_group} tokens per frame group into a cache of "
-                             f"{self.tokens_per_group}; the latent height / width changed mid-video")
-        if self.keys and len(layer_kv) != len(self.keys):
-            raise ValueError(f"{len(layer_kv)} layers committed into a cache of {len(self.keys)}")
-        if int(group_frames[0]) != self.end_frame:
-            raise ValueError(f"commit starts at latent frame {int(group_frames[0])} but the cache ends at "
-                             f"{self.end_frame}; commit chunks in order")
+        group_frames = _check_commit(self, layer_kv, group_frames, tokens_per_group, bool(self.keys))
         if not self.keys:
             k0 = layer_kv[0][0]
             self.allocate(len(layer_kv), k0.shape[1], k0.shape[3], tokens_per_group, k0.dtype, k0.device)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Prompt", "prompt_image", "null_prompts", "image_key", "load_image", "check_image_size",
+__all__ = ["Prompt", "prompt_image", "null_prompts", "image_key", "image_path", "load_image", "check_image_size",
            "check_prompt_images"]
 
 
@@ -85,6 +85,20 @@ class Prompt(str):
     def __repr__(self) -> str:
         image = f"<tensor {tuple(self.image.shape)}>" if isinstance(self.image, torch.Tensor) else repr(self.image)
         return f"Prompt({str.__repr__(self)}, image={image})"
+
+
+def image_path(value, folder: Path, where: str) -> Path:
+    """The file an ``image`` field names: ``value`` itself when absolute (``~`` expanded), else relative to
+    ``folder`` (the prompt file's or the manifest's).
+
+    Raises:
+        ValueError: ``value`` is not a non-empty string (``where`` names the record and the folder it is relative to).
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: image={value!r} is not a file path; give the image file (absolute, or relative to "
+                         f"{folder})")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else folder / path
 
 
 def prompt_image(prompt: str) -> str | torch.Tensor | None:
