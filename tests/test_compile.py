@@ -167,6 +167,7 @@ def _eager_velocity_at(eager, lagged: LaggedCopy, x, sigma, cond):
 
 
 # ---------------------------------------------------------------------------------------------------- (b) counting
+@pytest.mark.compile_count
 def test_rollouts_of_other_iterations_seeds_and_prompts_compile_once(tiny_policy, tiny_text_encoder):
     """Three rollouts of the same shape (other seeds, iterations, SDE windows, prompts) and three training steps:
     the first of each compiles one graph, the later ones none; a new micro-batch size is a new graph."""
@@ -195,6 +196,7 @@ def test_rollouts_of_other_iterations_seeds_and_prompts_compile_once(tiny_policy
     assert c.graphs == 1
 
 
+@pytest.mark.compile_count
 def test_compile_counter_counts_only_inside_its_block():
     counter = CompileCounter()
     with pytest.raises(RuntimeError, match="never entered"):

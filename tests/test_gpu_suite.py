@@ -372,6 +372,7 @@ def test_wan_grpo_fsdp2_section_runs_on_the_tiny_wan_and_leaves_no_process_group
     assert not dist.is_initialized()
 
 
+@pytest.mark.compile_count
 def test_sol_rl_rollout_section_refreshes_in_place_on_the_tiny_wan(tmp_path):
     """Section 5b on the CPU (float32 vs simulated fp8, eager-backend compile): the refreshed copy equals a fresh
     quantization bitwise, keeps its parameters, is not traced again, and no longer computes the stale output."""

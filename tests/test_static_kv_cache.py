@@ -208,6 +208,7 @@ def _compiled_stream(static: bool, num_chunks: int = 5):
     return eager, compiled, graphs
 
 
+@pytest.mark.compile_count
 def test_compiled_blocks_with_a_static_cache_equal_eager_and_never_recompile():
     eager, compiled, graphs = _compiled_stream(static=True)
     for e, c in zip(eager, compiled):
@@ -216,6 +217,7 @@ def test_compiled_blocks_with_a_static_cache_equal_eager_and_never_recompile():
     assert graphs[0] == graphs[-1] == 2, graphs
 
 
+@pytest.mark.compile_count
 def test_the_dynamic_cache_recompiles_as_it_grows():
     """The contrast: the same stream with the growing / shrinking cache traces new graphs after chunk 0."""
     eager, compiled, graphs = _compiled_stream(static=False)
