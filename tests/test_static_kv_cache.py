@@ -213,8 +213,10 @@ def test_compiled_blocks_with_a_static_cache_equal_eager_and_never_recompile():
     eager, compiled, graphs = _compiled_stream(static=True)
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, atol=ATOL, rtol=0)
-    # one graph for the denoising forward and one for the commit, shared by every block, all traced in chunk 0
-    assert graphs[0] == graphs[-1] == 2, graphs
+    # one graph for the denoising forward and one for the commit, shared by every block, traced in chunk 0 (masked:
+    # slots still empty), then the same two unmasked when the window is full (chunk 2: sink 0-1, ring 2 frames); none
+    # after
+    assert graphs[0] == graphs[1] == 2 and graphs[2] == graphs[-1] == 4, graphs
 
 
 @pytest.mark.compile_count

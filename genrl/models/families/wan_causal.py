@@ -564,8 +564,9 @@ class CausalWanGenerator(WanGenerator):
     def _static_state(self, causal, q_frames, vis, cache: StaticKVCache, commit, b, f, gh, gw, device, cross_key,
                       table_dtype) -> _ForwardState:
         """The forward state with a :class:`StaticKVCache`: every slot is read (fixed shape), a mask of fixed shape
-        ``[1, 1, f * s, (capacity + f) * s]`` hides empty and invisible slots; positions as the dynamic cache's
-        (absolute: the slot's frame; relative: its rank among the visible slots, then the input)."""
+        ``[1, 1, f * s, (capacity + f) * s]`` hides empty and invisible slots, and there is no mask once every slot
+        holds a visible frame (the window's steady state); positions as the dynamic cache's (absolute: the slot's
+        frame; relative: its rank among the visible slots, then the input)."""
         s = gh * gw
         self._check_cache(cache, b, int(q_frames[0]))
         blocks = self.transformer.blocks
@@ -586,7 +587,9 @@ class CausalWanGenerator(WanGenerator):
             k_pos = (used_frames[None, :] < slot_frames[:, None]).sum(1) * used
             q_pos = int(used.sum()) + torch.arange(f)
         vis = torch.cat([vis_c, vis], dim=1)
-        mask = vis.to(device).repeat_interleave(s, 0).repeat_interleave(s, 1)[None, None]
+        # once every slot holds a frame the chunk sees (a full window), no mask: the unmasked call can use flash
+        # attention (one more compiled graph, traced when the cache first fills; none after)
+        mask = None if bool(vis.all()) else vis.to(device).repeat_interleave(s, 0).repeat_interleave(s, 1)[None, None]
         k_rope = wan_rope_tables(self.transformer.rope, torch.cat([k_pos, q_pos]), gh, gw, table_dtype, device)
         q_rope = tuple(t[:, -f * s:] for t in k_rope)
         keys, values = cache.key_buffer, cache.value_buffer
