@@ -76,6 +76,7 @@ def _same_trajectory(a, b, atol: float = 0.0) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- (a) equality
+@pytest.mark.compile_count
 @pytest.mark.slow  # 15-20 s warm, more on a cold inductor cache: kept out of the default suite's budget
 def test_compiled_lora_rollout_and_training_step_equal_eager_bitwise(tiny_policy, tiny_text_encoder):
     """backend aot_eager: the compiled graph (LoRA adapter included, added after compile() but before the first
@@ -213,6 +214,7 @@ def test_compile_counter_counts_only_inside_its_block():
 
 
 # ---------------------------------------------------------------------------------------------------- (c) YAML / fit
+@pytest.mark.compile_count
 def test_grpo_fit_with_compile_from_yaml(tmp_path, monkeypatch, tiny_policy, tiny_text_encoder):
     """``generator.compile`` from a YAML file through ``genrl fit``: 2 GRPO iterations with LoRA, no compilation in the
     second iteration nor in the validation (CFG on there too: the rollout's batch), the same checkpoint keys as an
@@ -328,6 +330,7 @@ INDUCTOR_ATOL = 1e-5
 INDUCTOR_GRAD_RTOL = 1e-3
 
 
+@pytest.mark.compile_count
 @pytest.mark.slow
 def test_inductor_rollout_and_training_step_match_eager(tiny_policy, tiny_text_encoder):
     eager, compiled = _lora_pair(tiny_policy, tiny_text_encoder, True)
@@ -352,6 +355,7 @@ def test_inductor_rollout_and_training_step_match_eager(tiny_policy, tiny_text_e
 
 
 # ---------------------------------------------------------------------------------------------------- families
+@pytest.mark.compile_count
 def test_a_diffusers_family_compiles_in_place(tmp_path):
     """The same option on a diffusers family (tiny Wan2.1): its transformer is compiled in place (same keys, the
     pipeline's transformer is the same object), gives the eager velocity bit for bit and compiles once per shape."""

@@ -205,6 +205,7 @@ def test_rollout_copy_role_defaults_to_the_live_dtype_and_syncs_in_place():
     assert ro.module.blocks[0].attn.to_q.weight is w and torch.equal(w, live.blocks[0].attn.to_q.weight)
 
 
+@pytest.mark.compile_count
 def test_a_compiled_copy_is_not_traced_again_after_a_refresh():
     """precision.compile: the copy is compiled once; refreshes mutate its parameters (graph inputs), so the next call
     reuses the graph and computes with the new weights (equal to a fresh eager build)."""
