@@ -148,11 +148,14 @@ def pytest_collection_modifyitems(config, items):
     """Under mutation testing (mutmut sets MUTANT_UNDER_TEST to a mutant's name), run the covering tests fastest
     first, by the durations mutmut recorded (``mutants/mutmut-stats.json``): pytest stops at the first failure, so a
     mutant a unit test kills no longer waits for the end-to-end tests that also cover it. A normal run is unchanged."""
-    if "MUTANT_UNDER_TEST" in os.environ:  # mutmut's stats run and every mutant: its trampolines break graphs
-        counting = [item for item in items if item.get_closest_marker("compile_count")]
-        if counting:
-            config.hook.pytest_deselected(items=counting)
-            items[:] = [item for item in items if not item.get_closest_marker("compile_count")]
+    if "MUTANT_UNDER_TEST" in os.environ:  # mutmut's stats run and every mutant: its trampolines break graphs and
+        def incompatible(item) -> bool:  # rename / add stack frames
+            return bool(item.get_closest_marker("compile_count") or item.get_closest_marker("call_sites"))
+
+        dropped = [item for item in items if incompatible(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if not incompatible(item)]
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
     if "__mutmut_" not in mutant:
         return

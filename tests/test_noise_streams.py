@@ -171,6 +171,7 @@ def noise_log(monkeypatch) -> list[Draw]:
     return log
 
 
+@pytest.mark.call_sites
 def test_the_check_names_both_call_sites_and_addresses_of_a_collision(noise_log):
     """The check can fail: one address drawn from two call sites is reported with both; a declared reuse is not."""
 
@@ -311,6 +312,7 @@ RUNS: dict[str, Callable] = {
 }
 
 
+@pytest.mark.call_sites
 @pytest.mark.parametrize("run", list(RUNS))
 def test_no_noise_key_is_drawn_by_two_kinds_of_draw_in_a_whole_run(run, noise_log, request, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
