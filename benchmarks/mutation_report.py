@@ -7,6 +7,10 @@ Usage (from the repository root, after ``mutmut run``; see docs/testing.md)::
                                                          # tests/mutation_accepted.txt, an entry's reason is
                                                          # "no test yet", or no mutant has been checked at all
     python benchmarks/mutation_report.py --json out.json # the counts as JSON (for benchmarks/RESULTS.md)
+    python benchmarks/mutation_report.py --paths genrl/methods/phases.py genrl/strategies/ --check --require-checked
+                                                         # one stage of the scope: the table, the total and the
+                                                         # check cover only files under these prefixes, and a
+                                                         # mutant there that no run has checked fails the check
 
 The accepted list ``tests/mutation_accepted.txt`` has one mutant a line: ``<mutant name>  <reason>`` (the name as
 ``mutmut results`` prints it, then at least one space and the reason); ``#`` starts a comment. A mutant is
@@ -79,10 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print every unaccepted survivor")
     parser.add_argument("--diffs", action="store_true", help="with --list: each survivor's diff (mutmut show)")
     parser.add_argument("--only", default="", help="with --list: only survivors whose file starts with this")
+    parser.add_argument("--paths", nargs="+", default=None, metavar="PREFIX",
+                        help="report and check only files under these prefixes (a stage of the scope)")
+    parser.add_argument("--require-checked", action="store_true",
+                        help="with --check: also fail while a mutant in the report is not checked")
     args = parser.parse_args(argv)
 
     results = load_results(args.mutants)
     accepted = load_accepted(args.accepted)
+    if args.paths:
+        results = {n: (s, st) for n, (s, st) in results.items() if s.startswith(tuple(args.paths))}
+        if not results:
+            print(f"no mutant under {args.paths}: check the prefixes (e.g. genrl/methods/phases.py)")
+            return 1
+        dotted = tuple(q.rstrip("/").removesuffix(".py").replace("/", ".") for q in args.paths)
+        accepted = {n: r for n, r in accepted.items() if n.startswith(dotted)}
     per_file: dict[str, Counter] = defaultdict(Counter)
     unaccepted: list[tuple[str, str, str]] = []
     for name, (source, status) in sorted(results.items()):
@@ -131,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                   "`mutmut show <name>` prints the change, `--list --diffs` prints them all")
         if not _checked(total):
             print("no mutant has been checked: did `mutmut run` match your glob (e.g. \"genrl.flow.policy.*\")?")
+            return 1
+        if args.require_checked and total["not checked"]:
+            print(f"{total['not checked']} mutants not checked yet: run `mutmut run` over them first")
             return 1
         if unaccepted or bad_reasons:
             return 1
