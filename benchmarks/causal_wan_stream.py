@@ -36,6 +36,10 @@ denoised, committed and its pixels decoded: the streamed decode's first-pixels l
 else chunk 0's time plus one decode of its latents) and ``sdpa_kernel`` (which PyTorch SDPA kernel the causal
 attention call of these shapes runs: :func:`genrl.models.families.wan_causal.sdpa_backend`).
 
+``--linear-precision fp8`` runs the transformer's Linear layers in torchao's row-wise dynamic fp8 (the layer policy
+of Sol-RL's rollout copies, ``genrl.models.quantized``): whether fp8 pays at a chunk's token count (4,680 tokens of
+3 latent frames at 480x832), where the GPU suite's full-video measurement (section 5) does not apply.
+
 ``measure(parse_args([...]))`` runs the same measurement from Python (``benchmarks/gpu_suite.py`` does);
 ``wan_transformer`` builds a random-weight Wan transformer cast as ``from_pretrained`` casts a checkpoint.
 """
@@ -242,6 +246,20 @@ def _compile(gen, args) -> dict:
             "regional": "repeated blocks", "dynamic": False}
 
 
+def _low_precision_linears(gen, fmt: str) -> dict:
+    """Swap the generator's transformer for a copy whose Linear layers run in ``fmt`` (the layer policy of Sol-RL's
+    rollout copies, :func:`genrl.models.quantized.build_rollout_module`: ``fp8`` is torchao's row-wise dynamic fp8 on
+    CUDA, ``fake_fp8`` its simulation on any device). The copy keeps the causal attention processors (a deep copy of
+    the transformer gets its own causal context). Returns ``{"format", "replaced", "kept"}`` (layer counts)."""
+    from genrl.models.quantized import RolloutPrecision, build_rollout_module
+
+    copy, report = build_rollout_module(gen.transformer, RolloutPrecision(format=fmt))
+    if not report.replaced:
+        raise RuntimeError(f"--linear-precision {fmt}: no Linear layer is eligible ({len(report.kept)} kept)")
+    gen.transformer = gen.pipeline.transformer = copy
+    return {"format": fmt, "replaced": len(report.replaced), "kept": len(report.kept)}
+
+
 def _pixel_frames(latent_frames: int) -> int:
     return 4 * (latent_frames - 1) + 1
 
@@ -284,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inductor mode of --compile")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend of --compile (default inductor; aot_eager with --tiny)")
+    p.add_argument("--linear-precision", default=None,
+                   help="run the transformer's Linear layers in this rollout-copy format (fp8 on CUDA with torchao; "
+                        "fake_fp8 simulates it anywhere; genrl.models.quantized.RolloutPrecision lists them)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -318,6 +339,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     t_build = time.perf_counter()
     gen, cond, device, backend, n_params = build(args)
+    linears = _low_precision_linears(gen, args.linear_precision) if args.linear_precision else None
     build_s = time.perf_counter() - t_build
     c, (lf, h, w) = 16, (args.latent_frames, args.height // 8, args.width // 8)
     frame_shape = (c, h, w)
@@ -386,7 +408,7 @@ def measure(args: argparse.Namespace) -> dict:
         "transformer_params_m": round(n_params / 1e6, 3),
         "dtype": "float32" if args.tiny else args.dtype, "vae_dtype": "float32" if args.tiny else args.vae_dtype,
         "attention_backend": backend, "build_s": round(build_s, 2),
-        "static_cache": bool(args.static_cache), "compile": compile_info,
+        "static_cache": bool(args.static_cache), "compile": compile_info, "linear_precision": linears,
         "sdpa_kernel": sdpa, "warmup_denoise_s": round(warm_denoise_s, 4),
         "time_to_first_frame_s": round(run["chunk_s"][0] + first_decode_s, 4),
         "batch": args.batch, "pixels": [args.height, args.width], "latent_frames": lf,

@@ -28,7 +28,9 @@ Sections, in order (anchors: docs/models.md, "Reference throughput figures"):
    per-chunk decode, with that decode on a second CUDA stream overlapped with the next chunk's denoising (target
    >= 17 frames/s end to end), and a 4x longer stream with a 12-frame window + 3 sink
    frames; static KV cache and regionally compiled blocks (``--static-cache --compile``): compile time, dynamo's
-   graph counts, time to first frame and the SDPA kernel are recorded.
+   graph counts, time to first frame and the SDPA kernel are recorded. ``fp8_chunk``: the same stream with the
+   Linear layers in torchao's row-wise fp8 (``--linear-precision fp8``), denoise frames/s against the bf16 run:
+   whether fp8 pays at a chunk's token count.
 5. ``fp8_compile``: raw matmul TFLOP/s, bf16 (8192^3) and fp8 e4m3 ``torch._scaled_mm`` (anchors 769 and
    1,387 TFLOP/s); then the section-1 forward compiled with ``torch.compile`` (regional: the repeated
    transformer blocks) in bf16 and with fp8 weights + activations (rowwise scales): torchao's
@@ -573,6 +575,8 @@ def section_causal_stream(ctx: SuiteContext, out: dict) -> None:
             "overlap_e2e_fps": (base.get("stream_decode_overlap") or {}).get("e2e_fps")}
     else:
         out["baseline_dynamic_eager"] = {"status": f"skipped: budget ({max(ctx.remaining(), 0):.0f} s left)"}
+    out["fp8_chunk"] = _causal_fp8_chunk(ctx, words, out)
+    ctx.save()
     ctx.log(f"  causal stream: denoise {out['denoise_fps']} fps, decode at end {out['e2e_fps_decode_at_end']} fps, "
             f"streamed decode {out.get('stream_decode', {}).get('e2e_fps')} fps, overlapped "
             f"{out.get('stream_decode_overlap', {}).get('e2e_fps')} fps, first frame "
@@ -795,6 +799,46 @@ def section_fp8_compile(ctx: SuiteContext, out: dict) -> None:
                 rec["speedup_vs_compiled"] = round(bf16["forward_ms"] / rec["forward_ms"], 3)
     finally:
         torch._dynamo.reset()
+
+
+def _causal_fp8_chunk(ctx: SuiteContext, words: list[str], bf16: dict) -> dict:
+    """Section 4's fp8 row: the same static-cache compiled stream with the transformer's Linear layers in torchao's
+    row-wise fp8 (``--linear-precision fp8``; ``fake_fp8``, its simulation, with ``--tiny``), denoising and one
+    decode at the end only: does fp8 pay at a chunk's token count (issue 50)? Skipped, with the reason, without a GPU
+    of compute capability >= 8.9, without torchao, or when the budget is short."""
+    cuda = ctx.device.type == "cuda"
+    if not ctx.tiny and not (cuda and torch.cuda.get_device_capability(ctx.device) >= (8, 9)):
+        return {"status": "skipped: needs CUDA compute capability >= 8.9 (torchao float8)"}
+    if not ctx.tiny and _version("torchao") == "not installed":
+        return {"status": "skipped: torchao not installed (the fp8 extra)"}
+    need = 20.0 if ctx.tiny else 60.0
+    if ctx.remaining() < need:
+        return {"status": f"skipped: budget ({max(ctx.remaining(), 0):.0f} s left, needs about {need:.0f} s)"}
+    _free(ctx.device)
+    fp8_words, skip = [], 0  # the bf16 run's settings without the per-chunk decodes and the long windowed stream
+    for w in words:
+        if skip or w in ("--decode-per-chunk", "--overlap-decode"):
+            skip = max(skip - 1, 0)
+            continue
+        if w in ("--local-window", "--sink", "--stream-multiple"):
+            skip = 1
+            continue
+        fp8_words.append(w)
+    fmt = "fake_fp8" if ctx.tiny else "fp8"
+    try:
+        rec = causal_wan_stream.measure(causal_wan_stream.parse_args([*fp8_words, "--linear-precision", fmt]))
+    except SectionTimeout:
+        raise
+    except Exception as err:  # noqa: BLE001 - the bf16 figures of the section stand
+        status, trace = _error_record(err)
+        return {"status": status, "traceback": trace}
+    out = {"status": "ok", "linear_precision": rec.get("linear_precision")}
+    out |= {k: rec.get(k) for k in ("denoise_fps", "e2e_fps_decode_at_end", "first_chunk_latency_s", "compile")}
+    if bf16.get("denoise_fps") and rec.get("denoise_fps"):
+        out["denoise_speedup_vs_bf16"] = round(rec["denoise_fps"] / bf16["denoise_fps"], 3)
+    ctx.log(f"  causal stream fp8 ({fmt}): denoise {out['denoise_fps']} fps "
+            f"({out.get('denoise_speedup_vs_bf16')}x the bf16 static compiled run)")
+    return out
 
 
 def _quantized_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -315,6 +315,11 @@ def test_main_runs_the_reused_benchmarks_in_process(tmp_path):
     assert overlap["second_cuda_stream"] is False and overlap["max_abs_diff_vs_sequential_stream"] == 0.0
     base = c["baseline_dynamic_eager"]  # issue 50: the eager dynamic-cache run in the same call, as the first GPU run
     assert base["denoise_fps"] > 0 and base["overlap_e2e_fps"] > 0 and c["static_cache"]
+    fp8 = c["fp8_chunk"]  # issue 50: fp8 linears at chunk sizes (simulated on the CPU), compiled as the bf16 run
+    assert fp8["status"] == "ok", fp8.get("traceback")
+    assert fp8["linear_precision"]["format"] == "fake_fp8" and fp8["linear_precision"]["replaced"] > 0
+    assert fp8["compile"]["graphs_after_warmup"] == fp8["compile"]["graphs_after_measured"]  # no recompilation
+    assert fp8["denoise_speedup_vs_bf16"] == pytest.approx(fp8["denoise_fps"] / c["denoise_fps"], rel=1e-2)
     assert json.loads(out.read_text())["sections"]["causal_stream"]["status"] == "ok"
 
 
