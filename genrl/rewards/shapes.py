@@ -226,9 +226,10 @@ class ShapesVerifier(RewardModel):
         self.register_buffer("palette", pal, persistent=False)
         self.tau_color = _tau(self._min_class_distance([p[None] for p in pal]), len(pal), eps)
 
-        # directions: prototype velocities per class (every configured speed and their mean)
+        # directions: prototype velocities per class (every configured speed and their mean; an image world may have
+        # no speeds, then mean_speed is 0 and every direction's prototype is still, unused without motion)
         self.direction_names = list(world.directions)
-        speeds = sorted(set(world.speeds.values()) | ({world.mean_speed} if world.speeds else set()))
+        speeds = sorted(set(world.speeds.values()) | {world.mean_speed})
         protos = []
         for d in self.direction_names:
             u = torch.tensor(DIRECTION_VECTORS[d], dtype=torch.float32)
