@@ -204,8 +204,12 @@ def remove_published(path: Path) -> None:
 
 
 def _remove_versions(path: Path, keep: str | None) -> None:
-    """Delete the hidden folders ``.<name>.<nonce>`` of checkpoint ``path`` other than ``keep``."""
+    """Delete the hidden folders ``.<name>.<nonce>`` of checkpoint ``path`` other than ``keep`` (and such a file: a
+    single-file checkpoint :func:`publish_checkpoint` moved aside)."""
     pattern = re.compile(rf"^\.{re.escape(path.name)}\.\d+$")
     for entry in path.parent.iterdir() if path.parent.is_dir() else ():
         if entry.name != keep and pattern.match(entry.name) and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
