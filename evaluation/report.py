@@ -47,8 +47,9 @@ def _tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str
         rows = [[name + (" (proxy)" if d.get("proxy") else ""), _fmt(d.get("score")), _fmt(d.get("normalized")),
                  str(d.get("n", 0)), d.get("prompt_selection", "all"), _spread_text(d.get("spread")),
                  d.get("note") or d.get("description", "")] for name, d in dims.items()]
-        tables.append(("VBench dimensions", ["dimension", "score", "normalised", "videos", "prompts", "seed spread",
-                                             "what"], rows,
+        tables.append(("Dimensions", ["dimension", "score", "normalised", "videos", "prompts", "seed spread",
+                                      "what"], rows,
+                       "VBench's dimensions and genrl's own (first_frame_fidelity, in dB: no VBench normalisation). "
                        "proxy = a weight-free stand-in for VBench's model (Farneback optical flow instead of RAFT / "
                        "AMT-S): useful for curves, not comparable with published VBench numbers. Normalised = VBench's "
                        "min-max normalisation (scripts/constant.py)."))
@@ -220,7 +221,7 @@ def make_plots(results: dict[str, Any], out: Path, samples: int = 6) -> list[tup
         _plot_bars(plots / "dimensions.png", [n + (" (proxy)" if dims[n].get("proxy") else "") for n in names],
                    [dims[n].get("score") for n in names],
                    [(dims[n].get("spread") or {}).get("std") for n in names],
-                   [bool(dims[n].get("proxy")) for n in names], "VBench dimensions (raw score; hatched = proxy)",
+                   [bool(dims[n].get("proxy")) for n in names], "Dimensions (raw score in [0, 1]; hatched = proxy)",
                    (0.0, 1.05), bounds=(0.0, 1.0))
         made.append(("VBench dimensions", f"{PLOTS}/dimensions.png"))
     for unit in sorted({dims[n]["unit"] for n in dims if dims[n].get("unit")}):  # e.g. PSNR in dB: its own axis
