@@ -560,15 +560,7 @@ def section_causal_stream(ctx: SuiteContext, out: dict) -> None:
     need = 5.0 if ctx.tiny else 45.0
     if ctx.remaining() >= need:
         _free(ctx.device)
-        base_words, skip = [], 0  # no static cache, no compile, no long windowed stream
-        for w in words:
-            if skip or w in ("--static-cache", "--compile"):
-                skip = max(skip - 1, 0)
-                continue
-            if w in ("--local-window", "--sink", "--stream-multiple"):
-                skip = 1
-                continue
-            base_words.append(w)
+        base_words = _without_options(words, ("--static-cache", "--compile"))  # and no long windowed stream
         base = causal_wan_stream.measure(causal_wan_stream.parse_args(base_words))
         out["baseline_dynamic_eager"] = {k: base.get(k) for k in (
             "denoise_fps", "e2e_fps_decode_at_end", "time_to_first_frame_s", "first_chunk_latency_s")} | {
@@ -802,6 +794,20 @@ def section_fp8_compile(ctx: SuiteContext, out: dict) -> None:
         torch._dynamo.reset()
 
 
+def _without_options(words: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``causal_wan_stream`` command words without the switches ``flags`` and without the long windowed stream
+    (``--local-window``, ``--sink``, ``--stream-multiple`` and their values)."""
+    out, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in ("--local-window", "--sink", "--stream-multiple"):
+            skip = True
+        elif w not in flags:
+            out.append(w)
+    return out
+
+
 def _causal_fp8_chunk(ctx: SuiteContext, words: list[str], bf16: dict) -> dict:
     """Section 4's fp8 row: the same static-cache compiled stream with the transformer's Linear layers in torchao's
     row-wise fp8 (``--linear-precision fp8``; ``fake_fp8``, its simulation, with ``--tiny``), denoising and one
@@ -816,15 +822,8 @@ def _causal_fp8_chunk(ctx: SuiteContext, words: list[str], bf16: dict) -> dict:
     if ctx.remaining() < need:
         return {"status": f"skipped: budget ({max(ctx.remaining(), 0):.0f} s left, needs about {need:.0f} s)"}
     _free(ctx.device)
-    fp8_words, skip = [], 0  # the bf16 run's settings without the per-chunk decodes and the long windowed stream
-    for w in words:
-        if skip or w in ("--decode-per-chunk", "--overlap-decode"):
-            skip = max(skip - 1, 0)
-            continue
-        if w in ("--local-window", "--sink", "--stream-multiple"):
-            skip = 1
-            continue
-        fp8_words.append(w)
+    # the bf16 run's settings without the per-chunk decodes and the long windowed stream
+    fp8_words = _without_options(words, ("--decode-per-chunk", "--overlap-decode"))
     fmt = "fake_fp8" if ctx.tiny else "fp8"
     try:
         rec = causal_wan_stream.measure(causal_wan_stream.parse_args([*fp8_words, "--linear-precision", fmt]))

@@ -175,3 +175,36 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if durations.get(item.nodeid, 0.0) <= cap]
     items.sort(key=lambda item: durations.get(item.nodeid, 0.0))
+
+
+# ------------------------------------------------------------ process groups for the in-process strategy tests
+@pytest.fixture
+def one_process_mesh():
+    """A real one-process gloo group and its 1-d CPU mesh (FSDP2 runs for real on it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_group():
+    """``make(rank, world)``: this process plays ``rank`` of ``world`` in torch's fake process group (collectives are
+    no-ops; meshes, shapes and rank-dependent decisions are real)."""
+    import torch.distributed as dist
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+
+    def make(rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=rank, world_size=world, store=fake_pg.FakeStore())
+
+    yield make
+    if dist.is_initialized():
+        dist.destroy_process_group()

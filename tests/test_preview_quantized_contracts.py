@@ -415,20 +415,6 @@ def test_effective_linear_casts_the_delta_to_the_base_dtype_and_returns_detached
     assert torch.equal(w, lin.weight) and torch.equal(b, lin.bias) and not w.requires_grad and not b.requires_grad
 
 
-@pytest.fixture
-def one_process_mesh():
-    """A real one-process gloo group and its 1-d CPU mesh."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
 def test_effective_linear_gathers_sharded_tensors_whole(one_process_mesh):
     """A Linear whose weight and bias are DTensors (FSDP2) gives plain whole tensors with the values."""
     from torch.distributed.tensor import Shard, distribute_tensor

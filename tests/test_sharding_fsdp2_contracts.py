@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
 from lightning.pytorch.strategies import ModelParallelStrategy
+from strategy_util import DoubleBackward as _DoubleBackward
+from strategy_util import Net as _Net
 from torch import nn
 
 import genrl.strategies.fsdp2 as fsdp2
@@ -61,49 +63,6 @@ def gloo_mesh():
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def fake_group():
-    """``make(rank, world)``: this process plays ``rank`` of ``world`` in torch's fake process group (collectives are
-    no-ops; meshes, shapes and rank-dependent decisions are real)."""
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-
-    def make(rank: int, world: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=rank, world_size=world, store=fake_pg.FakeStore())
-
-    yield make
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------- tiny networks
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
-class _Net(nn.Module):
-    """Two repeated blocks and a head: 2 x (16 + 4) + (8 + 2) = 50 parameter elements."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.blocks = nn.ModuleList([_Block(), _Block()])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
-class _DoubleBackward(_Net):
-    needs_double_backward = True
 
 
 # ---------------------------------------------------------------------------------------------- repeated_blocks

@@ -23,6 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from strategy_util import DoubleBackward as _DoubleBackward
+from strategy_util import Net as _Net
 from torch import nn
 
 from genrl.models.roles import LaggedCopy, Roles, RolloutCopy
@@ -32,62 +34,6 @@ WORLD_CP = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2), (4, 4)]
 
 
 # ---------------------------------------------------------------------------------------------- process groups
-@pytest.fixture
-def one_process_mesh():
-    """A real one-process gloo group and its 1-d CPU mesh (FSDP2 runs for real on it)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def fake_group():
-    """``make(rank, world)``: this process plays ``rank`` of ``world`` in torch's fake process group (collectives are
-    no-ops; meshes and their coordinates are real)."""
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-
-    def make(rank: int, world: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", rank=rank, world_size=world, store=fake_pg.FakeStore())
-
-    yield make
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------- tiny networks
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
-class _Net(nn.Module):
-    """Two repeated blocks (the FSDP2 units) and a head (in the root unit)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.blocks = nn.ModuleList([_Block(), _Block()])
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
-class _DoubleBackward(_Net):
-    needs_double_backward = True
 
 
 def _group(unit):
