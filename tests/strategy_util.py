@@ -1,6 +1,6 @@
 """Shared by the in-process strategy tests (tests/test_strategy_choices.py, test_sharding_fsdp2_contracts.py): a
-tiny network with two repeated blocks. Their process-group fixtures (``one_process_mesh``, ``fake_group``) are in
-tests/conftest.py."""
+tiny network with two repeated blocks, its context-parallel variant and a generator holding it. Their process-group
+fixtures (``one_process_mesh``, ``fake_group``) are in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -35,3 +35,20 @@ class Net(nn.Module):
 
 class DoubleBackward(Net):
     needs_double_backward = True
+
+
+class ContextParallelNet(Net):
+    """A network with a diffusers context-parallel plan (what supports_context_parallel looks for)."""
+
+    _cp_plan: dict = {}
+
+    def enable_parallelism(self, config=None) -> None:  # pragma: no cover - the strategy's call is recorded instead
+        raise AssertionError("enable_context_parallel is recorded in these tests")
+
+
+class Gen(nn.Module):
+    """A generator holding ``transformer`` (what the strategy looks for on a method)."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        super().__init__()
+        self.transformer = transformer

@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 from diffusers import ContextParallelConfig
 from lightning.pytorch.strategies import ModelParallelStrategy
+from strategy_util import ContextParallelNet as _CP
 from strategy_util import DoubleBackward as _DoubleBackward
+from strategy_util import Gen as _Gen
 from strategy_util import Net as _Net
 from torch import nn
 
@@ -401,21 +403,6 @@ def test_strategy_mesh_sizes_are_integers_a_real_mesh_accepts(monkeypatch, fake_
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2Strategy.setup
-class _CP(_Net):
-    """A network with a context-parallel plan (what supports_context_parallel looks for)."""
-
-    _cp_plan: dict = {}
-
-    def enable_parallelism(self, config=None) -> None:  # pragma: no cover - the strategy's call is recorded instead
-        raise AssertionError("enable_context_parallel is recorded in these tests")
-
-
-class _Gen(nn.Module):
-    def __init__(self, transformer: nn.Module) -> None:
-        super().__init__()
-        self.transformer = transformer
-
-
 def _probe(monkeypatch, world: int, cp: int, **kwargs):
     """An FSDP2Strategy whose setup runs its own decisions over W ranks (the meshes real, on the fake group) and
     records what it shards and what it hands Lightning; Lightning's own setup is recorded, not run."""

@@ -23,7 +23,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from strategy_util import ContextParallelNet as _CP
 from strategy_util import DoubleBackward as _DoubleBackward
+from strategy_util import Gen as _Gen
 from strategy_util import Net as _Net
 from torch import nn
 
@@ -141,21 +143,6 @@ def test_gradient_is_summed_then_divided_once_by_the_factor(one_process_mesh, wo
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2Strategy.setup
-class _CP(_Net):
-    """A network with a diffusers context-parallel plan (what supports_context_parallel looks for)."""
-
-    _cp_plan: dict = {}
-
-    def enable_parallelism(self, config=None) -> None:  # pragma: no cover - the strategy's call is recorded instead
-        raise AssertionError("enable_context_parallel is recorded in these tests")
-
-
-class _Gen(nn.Module):
-    def __init__(self, transformer: nn.Module) -> None:
-        super().__init__()
-        self.transformer = transformer
-
-
 class _Method(nn.Module):
     """A genrl method's roles: a CP-capable policy (trainable), a critic without a plan (trainable), a CP-capable
     frozen teacher, a frozen reference already sharded, a lagged old policy and a rollout copy."""
