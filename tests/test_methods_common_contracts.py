@@ -33,6 +33,7 @@ from genrl.methods.common import (
     build_student,
     check_before_loading,
     check_finite,
+    check_no_dropout,
     clip_and_step,
     configure_policy,
     default_latent_shape,
@@ -650,3 +651,15 @@ def test_check_before_loading_skips_what_it_cannot_check(checks, tmp_path):
     under_fabric.generator_spec = random_init
     check_before_loading(under_fabric)
     assert len(checks.images) == 1
+
+
+def test_check_no_dropout_refuses_any_active_dropout_and_only_that():
+    """reuse_rollout_forward's check: a dropout with p > 0 anywhere (here p = 0.5, nested) raises naming p and the
+    layer; p = 0 exactly, and a network without dropout, pass."""
+
+    with pytest.raises(ValueError, match=r"dropout p=0.5 at '1.0'"):
+        check_no_dropout(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Dropout(0.5))))
+    with pytest.raises(ValueError, match=r"dropout p=0.01 at '0'"):
+        check_no_dropout(nn.Sequential(nn.Dropout2d(0.01)))
+    check_no_dropout(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0), nn.Dropout3d(0.0)))
+    check_no_dropout(nn.Linear(2, 2))

@@ -678,3 +678,19 @@ def test_remove_versions_in_a_missing_folder_is_nothing(tmp_path):
 
     _remove_versions(tmp_path / "missing" / "last.ckpt", keep=None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_remove_versions_skips_a_version_another_process_removed_meanwhile(tmp_path, monkeypatch):
+    """A moved-aside single-file version that is gone by the time it is deleted (another process cleaned the same
+    folder between the listing and the unlink) is not an error; the other versions are still removed."""
+
+    (tmp_path / ".last.ckpt.1").write_text("old")
+    real_iterdir = Path.iterdir
+
+    def iterdir(self):
+        yield self / ".last.ckpt.7"  # listed, but already deleted: no such file
+        yield from real_iterdir(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    _remove_versions(tmp_path / "last.ckpt", keep=None)
+    assert list(real_iterdir(tmp_path)) == []
