@@ -343,6 +343,8 @@ class VideoDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
                 raise ValueError("a KV cache needs attention='block_causal'")
             positions = q_frames // pt
             rope = rope_cos_sin(positions.repeat_interleave(s), rope_dim) if rope_dim else None
+            if rope is not None:  # the tables are built on the CPU: move them to the tokens' device (as below)
+                rope = tuple(t.to(device) for t in rope)
             return _SelfAttentionContext(None, rope, rope), positions
         causal = self.causal_config(causal)
         vis = frame_visibility(causal, q_frames, q_frames)
