@@ -488,7 +488,7 @@ if dist.get_rank() == 0:
     json.dump({"out": (outs[0] - outs[1]).abs().max().item(), "grad": max(grads.values()), "scale": scale,
                "tokens": seen}, open(sys.argv[1], "w"))
 dist.barrier()
-dist.destroy_process_group()  # gloo's threads stopped before the interpreter exits (a CI run aborted at exit without it)
+dist.destroy_process_group()  # stop gloo before the interpreter exits (a CI run aborted at exit without it)
 """
 
 
