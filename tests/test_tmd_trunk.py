@@ -14,6 +14,7 @@ from genrl.models.dit import VideoDiT
 from genrl.models.generator import DiTGenerator
 from genrl.models.text_encoder import Conditioning
 from genrl.models.trunk import DiTTrunk, FlowHead, SD3Trunk, TransitionModel, TrunkState, WanTrunk, trunk_adapter
+from genrl.testing.families import tiny_family
 
 LAYERS = 4
 FAMILIES = ["dit", "dit_rope", "wan", "sd3"]
@@ -30,17 +31,8 @@ def _dit(rope: int = 0) -> DiTGenerator:
 
 
 def _family(name: str):
-    from genrl.models.families import family_class
-    from genrl.testing.families import TINY, TINY_SIZE
-
-    comps = {k: dict(v) for k, v in TINY[name].items()}
-    comps["transformer"]["num_layers"] = LAYERS
-    size = dict(TINY_SIZE[name])
-    if name == "wan":
-        size.update(height=32, width=32)  # 2 x 2 tokens per latent frame, 2 latent frames
-    gen = family_class(name).from_config(comps, seed=0, **size)
-    gen.transformer.eval()
-    return gen
+    size = dict(height=32, width=32) if name == "wan" else {}  # Wan: 2 x 2 tokens per latent frame, 2 latent frames
+    return tiny_family(name, num_layers=LAYERS, **size)
 
 
 @pytest.fixture(scope="module")

@@ -17,34 +17,23 @@ from torch import nn
 
 from genrl.models.text_encoder import Conditioning
 from genrl.models.trunk import SD3Trunk, TrunkState, WanTrunk, trunk_adapter
+from genrl.testing.families import tiny_family
 
 LAYERS = 2
 # float64 sigmas whose float32 cast times 1000 (in float32) differs from the float64 product cast to float32
 SIGMA64 = torch.tensor([0.8153292612838758, 0.2172773256620104], dtype=torch.float64)
 
 
-def _family(name: str, **size_changes):
-    from genrl.models.families import family_class
-    from genrl.testing.families import TINY, TINY_SIZE
-
-    comps = {k: dict(v) for k, v in TINY[name].items()}
-    comps["transformer"]["num_layers"] = LAYERS
-    size = {**TINY_SIZE[name], **size_changes}
-    gen = family_class(name).from_config(comps, seed=0, **size)
-    gen.transformer.eval()
-    return gen
-
-
 @pytest.fixture(scope="module")
 def wan():
     """A non-square tiny Wan (latent 4 x 2 per frame: 2 x 1 tokens, 2 latent frames)."""
-    return _family("wan", height=32, width=16)
+    return tiny_family("wan", num_layers=LAYERS, height=32, width=16)
 
 
 @pytest.fixture(scope="module")
 def sd3():
     """A non-square tiny SD3 (latent 8 x 4, patch 1: 8 x 4 tokens)."""
-    return _family("sd3", height=8, width=4)
+    return tiny_family("sd3", num_layers=LAYERS, height=8, width=4)
 
 
 def _inputs(name: str, gen, b: int = 2, seed: int = 0, pooled: bool = True):

@@ -287,3 +287,21 @@ def tiny_generator_spec(family: str, prompt_cache_dir: str | None = None, **extr
             "width": size["width"], "num_frames": size.get("num_frames", 1),
             "max_sequence_length": size.get("max_sequence_length", 16), "prompt_cache_dir": prompt_cache_dir,
             **extra}
+
+
+def tiny_family(family: str, num_layers: int | None = None, seed: int = 0, **size):
+    """A family's tiny random generator in eval mode: the :data:`TINY` components (the transformer's ``num_layers``
+    replaced when given), at :data:`TINY_SIZE` with the ``size`` keys (height, width, ...) replaced, weights drawn
+    from ``seed``.
+
+    Raises:
+        KeyError: an unknown family (the keys of :data:`TINY`).
+    """
+    from genrl.models.families import family_class
+
+    comps = {k: dict(v) for k, v in TINY[family].items()}
+    if num_layers is not None:
+        comps["transformer"]["num_layers"] = num_layers
+    gen = family_class(family).from_config(comps, seed=seed, **{**TINY_SIZE[family], **size})
+    gen.transformer.eval()
+    return gen
