@@ -9,6 +9,7 @@ survivors of genrl/models/precision.py (the fake fp8 / NVFP4 / MX quantizers, th
 * ``mx_quantize`` / ``fake_mx``: the default element, the ``block`` argument (1 allowed, 0 / -1 / floats refused),
   the E8M0 exponent floor 2^-127 (all-zero and tiny blocks), MXFP8's negative saturation before the E4M3 cast;
 * ``fake_mx`` / ``fake_nvfp4`` keep ``x``'s dtype; ``sqnr_db`` accumulates in float64 and its zero cases.
+* the documented non-finite cases of ``nvfp4_quantize`` (inf, NaN) and ``round_e2m1``'s float8 refusal.
 """
 
 from __future__ import annotations
@@ -163,6 +164,23 @@ def test_nvfp4_all_zero_tensor_has_unit_tensor_scale():
     v, s, t = nvfp4_quantize(torch.zeros(2, 32))
     assert t.dtype == torch.float32 and t.item() == 1.0
     assert (s.float() == 0).all() and (v == 0).all()
+
+
+def test_nvfp4_non_finite_inputs_and_float8_round_e2m1_as_documented():
+    """The documented non-finite cases: an infinite element makes the tensor scale inf, its value NaN, every other
+    value 0 and the dequantized tensor all NaN; a NaN element stays NaN in its place and leaves the others finite;
+    round_e2m1 refuses a float8 input (torch cannot promote float8)."""
+    x = _rand(2, 32)
+    x[0, 3] = float("inf")
+    v, s, t = nvfp4_quantize(x)
+    assert math.isinf(t.item()) and v.isnan().sum().item() == 1 and v[0, 3].isnan()
+    assert (v.nan_to_num() == 0).all() and nvfp4_dequantize(v, s, t).isnan().all()
+    x = _rand(2, 32)
+    x[1, 5] = float("nan")
+    v, _, _ = nvfp4_quantize(x)
+    assert v.isnan().sum().item() == 1 and v[1, 5].isnan()
+    with pytest.raises(RuntimeError, match="Float8"):
+        precision.round_e2m1(torch.ones(3).to(torch.float8_e4m3fn))
 
 
 def test_nvfp4_quantize_outputs_on_x_device():

@@ -83,7 +83,8 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round ``x`` (already scaled) to the nearest signed FP4 E2M1 value, ties to even, saturating at +-6.
 
     Args:
-        x: any floating-point tensor, any shape.
+        x: a float16 / bfloat16 / float32 / float64 tensor, any shape (float8 inputs raise torch's RuntimeError:
+            torch does not promote float8 types).
 
     Returns:
         A tensor of ``x``'s dtype and shape whose values are in {0, +-0.5, +-1, +-1.5, +-2, +-3, +-4, +-6}.
@@ -160,7 +161,8 @@ def nvfp4_quantize(x: torch.Tensor, tensor_scale: bool = True) -> tuple[torch.Te
 
     Args:
         x: float32 / bfloat16 / float16 / float64 tensor [..., K], K a multiple of 16; computed in float32;
-            expected finite (a non-finite amax makes the result NaN).
+            expected finite (an infinite value makes the tensor scale inf: its value is NaN, every other value
+            0, and the dequantized tensor all NaN; a NaN element stays NaN in place, the others are unaffected).
         tensor_scale: use the per-tensor float32 scale (True) or block scales only (t = 1; the block scale then has
             to carry the tensor's magnitude, and small weights land on the coarse low end of E4M3).
 
