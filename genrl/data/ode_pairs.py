@@ -483,7 +483,9 @@ def check_pair_sigmas(ode_sigmas: torch.Tensor, schedule) -> None:
     """Check that stored ODE states lie at the student's noise levels.
 
     Args:
-        ode_sigmas: [S + 1] (or a collated [B, S + 1]) sigmas of the stored states.
+        ode_sigmas: [S + 1] sigmas of the stored states (flattened first, so a [1, S + 1] passes too; a collated
+            [B, S + 1] with B > 1 does not: :meth:`genrl.methods.ode_init.ODEInit.regression_loss` passes
+            its row 0).
         schedule: the student's :class:`~genrl.rollout.autoregressive.ChunkSchedule` (its ``sigmas()``).
     Raises:
         ValueError: the sigmas differ from ``schedule.sigmas()`` by more than 1e-6 (names both lists and how to
