@@ -1,0 +1,137 @@
+"""Contracts of the shapes-world training data module (genrl/data/shapes_datamodule.py), written for the mutation
+survivors of that module (issue 51, stage 4): the stream's defaults and argument checks, its batches of the chosen
+split, the local batch number of a delivered batch (an int, so the loader resumes after it), the DataModule's defaults
+and argument checks, the world in the hyperparameters, the train loader it builds, and the validation loader's order.
+
+Each test calls the classes directly with a tiny image-mode world (4x4 pixels, one frame): no Trainer, no workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+
+import pytest
+import torch
+from torch.utils.data import SequentialSampler
+
+from genrl.data.shapes import ShapesWorldConfig
+from genrl.data.shapes_datamodule import ShapesDataModule, ShapesStream, ShapesTrainLoader, make_batch
+
+TINY = dict(height=4, width=4, num_frames=1, object_size=2.0)
+
+
+def _world() -> ShapesWorldConfig:
+    return ShapesWorldConfig(**TINY)
+
+
+def _same_batch(a: dict, b: dict) -> bool:
+    return (torch.equal(a["pixels"], b["pixels"]) and a["prompts"] == b["prompts"]
+            and torch.equal(a["index"], b["index"]))
+
+
+# ---------------------------------------------------------------------------------------------- stream
+def test_stream_defaults_are_seed_0_train_rank_0_of_1_from_batch_0():
+    """ShapesStream(world, B): seed 0, the train split, rank 0 of 1, start 0, and iterating the stream itself (no
+    loader) yields batches 0, 1, ... of samples sample(world, 0, i, "train")."""
+    w = _world()
+    s = ShapesStream(w, 2)
+    assert (s.seed, s.split, s.rank, s.world_size, s.start) == (0, "train", 0, 1, 0)
+    it = iter(s)
+    first, second = next(it), next(it)
+    assert _same_batch(first, make_batch(w, 0, [0, 1], "train"))
+    assert second["index"].tolist() == [2, 3]
+    assert not _same_batch(first, make_batch(w, 1, [0, 1], "train"))  # the seed matters
+
+
+def test_stream_checks_batch_size_and_rank():
+    """batch_size >= 1 (1 is valid) and 0 <= rank < world_size (rank == world_size is refused)."""
+    w = _world()
+    assert ShapesStream(w, 1).batch(3)["index"].tolist() == [3]
+    assert ShapesStream(w, 1, rank=1, world_size=2).batch(1)["index"].tolist() == [3]
+    for kw in (dict(batch_size=0), dict(batch_size=1, rank=1, world_size=1), dict(batch_size=1, rank=2, world_size=2),
+               dict(batch_size=1, rank=-1)):
+        with pytest.raises(ValueError):
+            ShapesStream(w, **kw)
+
+
+def test_stream_batch_draws_from_its_split():
+    """A stream of split "heldout" gives the held-out samples of its indices (make_batch(..., "heldout")), which
+    differ from the train samples of the same indices."""
+    w = _world()
+    b = ShapesStream(w, 2, seed=3, split="heldout").batch(1)
+    assert _same_batch(b, make_batch(w, 3, [2, 3], "heldout"))
+    assert b["prompts"] != make_batch(w, 3, [2, 3], "train")["prompts"]
+
+
+def test_local_batch_is_the_int_inverse_of_global_batch():
+    """For rank r of W with local batch B, local_batch(first index of local batch b) == b, an int; after
+    mark_delivered(batch b) the next iter() of the loader starts at local batch b + 1 (an integer position)."""
+    w = _world()
+    s = ShapesStream(w, 2, rank=1, world_size=2)
+    firsts = [int(s.batch(b)["index"][0]) for b in range(4)]
+    assert firsts == [2, 6, 10, 14]
+    got = [s.local_batch(f) for f in firsts]
+    assert got == [0, 1, 2, 3] and all(type(g) is int for g in got)
+    loader = ShapesTrainLoader(s, track_delivery=True)
+    loader.mark_delivered(s.batch(2))
+    assert loader.batches_consumed == 3 and type(loader.state_dict()["batches_consumed"]) is int
+    assert next(iter(loader))["index"].tolist() == [14, 15]
+
+
+# ---------------------------------------------------------------------------------------------- datamodule
+def test_datamodule_defaults():
+    """ShapesDataModule(): the default world, global batch 32, seed 0, main-process loading, 64 validation samples,
+    the train split."""
+    h = ShapesDataModule().hparams
+    assert (h.batch_size, h.seed, h.num_workers, h.val_size, h.split) == (32, 0, 0, 64, "train")
+    assert h.world == asdict(ShapesWorldConfig())
+
+
+def test_datamodule_checks_its_sizes():
+    """batch_size >= 1 (1 is valid), num_workers >= 0, val_size >= 0 and a known split."""
+    dm = ShapesDataModule(_world(), batch_size=1, val_size=2)
+    assert [b["index"].tolist() for b in dm.val_batches()] == [[-1], [-2]]
+    for kw in (dict(batch_size=0), dict(num_workers=-1), dict(val_size=-1), dict(split="test")):
+        with pytest.raises(ValueError):
+            ShapesDataModule(_world(), **kw)
+
+
+def test_datamodule_keeps_the_world_as_a_plain_dict():
+    """The given world is used and stored in the hyperparameters as a dict of its fields; the hyperparameters as
+    collected (hparams_initial, what loggers record) hold no ShapesWorldConfig object."""
+    w = _world()
+    dm = ShapesDataModule(w)
+    assert dm.world == w and dm.hparams["world"] == asdict(w)
+    assert not any(is_dataclass(v) for v in dm.hparams_initial.values())
+    assert ShapesDataModule(asdict(w)).world == w
+
+
+def test_make_train_loader_defaults_start_and_delivery():
+    """make_train_loader() is rank 0 of 1 (the whole global batch), in the main process, from batch 0, counting
+    yielded batches; num_workers, start, track_delivery and the rank's share are honoured."""
+    w = _world()
+    dm = ShapesDataModule(w, batch_size=2, seed=4)
+    loader = dm.make_train_loader()
+    s = loader.dataset
+    assert (s.rank, s.world_size, s.batch_size, s.seed, s.split) == (0, 1, 2, 4, "train")
+    assert loader.num_workers == 0 and loader.track_delivery is False and loader.batches_consumed == 0
+    first = next(iter(loader))
+    assert _same_batch(first, make_batch(w, 4, [0, 1])) and loader.batches_consumed == 1
+    tracked = dm.make_train_loader(track_delivery=True)
+    assert tracked.track_delivery is True
+    assert next(iter(dm.make_train_loader(start=3)))["index"].tolist() == [6, 7]
+    assert next(iter(dm.make_train_loader(1, 2)))["index"].tolist() == [1]
+    assert ShapesDataModule(w, batch_size=2, num_workers=2).make_train_loader().num_workers == 2
+
+
+def test_val_dataloader_yields_the_val_batches_in_order():
+    """val_dataloader yields val_batches unchanged and in order (a sequential sampler, never shuffled): held-out
+    samples -1, -2, ... in batches of batch_size, the last one short."""
+    w = _world()
+    dm = ShapesDataModule(w, batch_size=2, seed=5, val_size=9)
+    loader = dm.val_dataloader()
+    assert isinstance(loader.sampler, SequentialSampler)
+    got = list(loader)
+    assert [b["index"].tolist() for b in got] == [[-1, -2], [-3, -4], [-5, -6], [-7, -8], [-9]]
+    assert all(_same_batch(a, b) for a, b in zip(got, dm.val_batches(), strict=True))
+    assert _same_batch(got[1], make_batch(w, 5, [-3, -4], "heldout"))
