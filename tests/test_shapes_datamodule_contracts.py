@@ -1,17 +1,21 @@
 """Contracts of the shapes-world training data module (genrl/data/shapes_datamodule.py), written for the mutation
 survivors of that module (issue 51, stage 4): the stream's defaults and argument checks, its batches of the chosen
 split, the local batch number of a delivered batch (an int, so the loader resumes after it), the DataModule's defaults
-and argument checks, the world in the hyperparameters, the train loader it builds, and the validation loader's order.
+and argument checks, the world in the hyperparameters, the train loader it builds, the validation loader's order,
+and the delivery hook (batches marked only while training with a tracking loader; the module's own hook after it).
 
-Each test calls the classes directly with a tiny image-mode world (4x4 pixels, one frame): no Trainer, no workers.
+Each test calls the classes directly with a tiny image-mode world (4x4 pixels, one frame): no Trainer (a stand-in
+with `training` and `lightning_module` for the hook), no workers.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from torch.utils.data import SequentialSampler
 
 from genrl.data.shapes import ShapesWorldConfig
@@ -135,3 +139,45 @@ def test_val_dataloader_yields_the_val_batches_in_order():
     assert [b["index"].tolist() for b in got] == [[-1, -2], [-3, -4], [-5, -6], [-7, -8], [-9]]
     assert all(_same_batch(a, b) for a, b in zip(got, dm.val_batches(), strict=True))
     assert _same_batch(got[1], make_batch(w, 5, [-3, -4], "heldout"))
+
+
+# ---------------------------------------------------------------------------------------------- delivery hook
+class _HookModule(LightningModule):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return {**batch, "seen_by_module": dataloader_idx}
+
+
+def _hook_dm(track: bool, training: bool | None, module=None):
+    """A data module with a train loader (tracking delivery or not) and a stand-in Trainer (None: no Trainer)."""
+    dm = ShapesDataModule(world=_world(), batch_size=2)
+    dm._train_loader = dm.make_train_loader(track_delivery=track)
+    if training is not None:
+        dm.trainer = SimpleNamespace(training=training, lightning_module=module)
+    return dm, next(iter(dm._train_loader))
+
+
+def test_delivery_is_marked_only_for_a_tracking_loader_while_training():
+    """on_before_batch_transfer marks a batch delivered (batches_consumed 0 -> 1) only with a Trainer that is
+    training and a loader that tracks delivery; without a Trainer, outside training, or with a loader that counts
+    yielded batches itself, the count is untouched. The batch comes back unchanged when no module overrides the
+    hook. Before any train loader exists the state is empty."""
+    assert ShapesDataModule(world=_world()).state_dict() == {}
+    dm, batch = _hook_dm(track=True, training=True)
+    assert dm.on_before_batch_transfer(batch, 0) is batch and dm._train_loader.batches_consumed == 1
+    assert dm.state_dict() == dm._train_loader.state_dict()
+    for track, training in [(True, None), (True, False)]:
+        dm, batch = _hook_dm(track=track, training=training)
+        assert dm.on_before_batch_transfer(batch, 0) is batch and dm._train_loader.batches_consumed == 0
+    dm, batch = _hook_dm(track=False, training=True)
+    before = dm._train_loader.batches_consumed
+    dm.on_before_batch_transfer(batch, 0)
+    assert dm._train_loader.batches_consumed == before == 1
+
+
+def test_the_modules_own_hook_runs_after_marking():
+    """With a LightningModule that overrides on_before_batch_transfer, the data module's hook marks the batch and
+    returns what the module's hook returns (here the batch with an added key naming the dataloader index)."""
+    dm, batch = _hook_dm(track=True, training=True, module=_HookModule())
+    out = dm.on_before_batch_transfer(batch, 3)
+    assert out["seen_by_module"] == 3 and out["prompts"] == batch["prompts"]
+    assert dm._train_loader.batches_consumed == 1
