@@ -11,6 +11,7 @@ All inputs are tiny and hand-made: no model, no Trainer.
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from fractions import Fraction
 from types import SimpleNamespace
@@ -209,3 +210,119 @@ def test_generator_teacher_gets_every_field(tmp_path, monkeypatch):
     assert teacher.latent_shape == (5, 4, 12, 20)
     assert teacher.fps == 12.0 and teacher.spec == VideoSpec(8, 16, 16, 8.0)
     assert (teacher.resize, teacher.crop) == ("bilinear", "none")
+
+
+# ---------------------------------------------------------------------------------------------- spec.build
+def test_shapes_spec_builds_the_renderer_with_every_field(tmp_path):
+    """kind="shapes": the renderer gets the student's format (frames, height, width, fps), the spec's world and
+    resize / crop modes; the cache is named "shapes-renderer" and gets cache_dir and variants_per_prompt (None
+    stays None: every sample index renders its own clip)."""
+    world = {"colors": ["red", "orange"], "shapes": ["circle", "diamond"], "num_frames": 6}
+    spec = OnlineTeacherSpec(kind="shapes", num_frames=4, height=6, width=10, fps=4.0, world=world,
+                             resize="bilinear", crop="none", variants_per_prompt=3, cache_dir=str(tmp_path))
+    cache = spec.build()
+    src = cache.source
+    assert isinstance(src, ShapesRendererTeacher)
+    assert src.spec == VideoSpec(4, 6, 10, 4.0) and cache.spec == VideoSpec(4, 6, 10, 4.0)
+    assert src.world == ShapesWorldConfig(**world) and src.fps == 4.0
+    assert (src.resize, src.crop) == ("bilinear", "none")
+    assert cache.name == "shapes-renderer" and cache.variants == 3 and cache.cache_dir == tmp_path
+    # an empty world is the default world; no variants cap and no cache_dir by default
+    default = OnlineTeacherSpec(kind="shapes").build()
+    assert default.source.world == ShapesWorldConfig() and default.variants is None and default.cache_dir is None
+    assert (default.source.resize, default.source.crop) == ("area", "center")
+
+
+def _fake_loader(monkeypatch, seen: list):
+    import genrl.models.loading as loading
+
+    class FakeGen:
+        codec = SimpleNamespace(latent_channels=4)
+
+        def to(self, device):
+            return self
+
+    def fake_load(path, **kwargs):
+        seen.append(path)
+        return FakeGen()
+
+    monkeypatch.setattr(loading, "load_generator", fake_load)
+
+
+def test_generator_spec_names_its_cache_by_path_and_sampler(tmp_path, monkeypatch):
+    """kind="generator": the cache key name is "generator:<resolved path>:steps=..,cfg=..,shift=.." (another sampler
+    is another teacher); variants_per_prompt defaults to 4 for a generator and a given value is kept."""
+    seen: list = []
+    _fake_loader(monkeypatch, seen)
+    cache = OnlineTeacherSpec(kind="generator", path=str(tmp_path), steps=7, cfg_scale=1.5, shift=2.5,
+                              cache_dir=str(tmp_path / "c")).build()
+    assert cache.name == f"generator:{tmp_path.resolve()}:steps=7,cfg=1.5,shift=2.5"
+    assert cache.variants == 4 and cache.cache_dir == tmp_path / "c" and cache.fallback is None
+    given = OnlineTeacherSpec(kind="generator", path=str(tmp_path), variants_per_prompt=2).build()
+    assert given.variants == 2 and given.cache_dir is None
+
+
+def _mp4_folder(root, captions: dict[str, str]):
+    from genrl.data.video_io import write_video
+
+    root.mkdir()
+    for i, file in enumerate(captions):
+        write_video(root / file, torch.full((8, 3, 16, 16), 0.2 + 0.3 * i), fps=8.0)
+    (root / "captions.jsonl").write_text("".join(json.dumps({"file": f, "caption": c}) + "\n"
+                                                 for f, c in captions.items()))
+    return root
+
+
+def test_folder_spec_builds_the_store_with_its_format_and_fallback(tmp_path, monkeypatch):
+    """kind="folder": the store reads ``path`` in the student's format with the resize / crop modes; ``fallback``
+    loads a generator teacher for the prompts the folder lacks; the cache gets cache_dir and variants (default 4)
+    and is named "folder:<resolved path>|<fallback>:<sampler>"."""
+    from genrl.data.teacher_videos import GeneratorTeacher, TeacherVideoStore
+
+    root = _mp4_folder(tmp_path / "vids", {"a.mp4": "a red circle", "b.mp4": "a blue square"})
+    seen: list = []
+    _fake_loader(monkeypatch, seen)
+    spec = OnlineTeacherSpec(kind="folder", path=str(root), num_frames=4, height=8, width=12, fps=8.0,
+                             resize="bilinear", crop="none", fallback=str(tmp_path / "gen"), steps=3,
+                             cfg_scale=2.0, shift=1.5, cache_dir=str(tmp_path / "c"))
+    cache = spec.build()
+    store = cache.source
+    assert isinstance(store, TeacherVideoStore) and store.folder == root
+    assert store.spec == VideoSpec(4, 8, 12, 8.0) and (store.resize, store.crop) == ("bilinear", "none")
+    assert sorted(store.prompts) == ["a blue square", "a red circle"]
+    assert seen == [str(tmp_path / "gen")]
+    assert isinstance(cache.fallback, GeneratorTeacher) and cache.fallback.spec == VideoSpec(4, 8, 12, 8.0)
+    assert cache.name == f"folder:{root.resolve()}|{tmp_path / 'gen'}:steps=3,cfg=2.0,shift=1.5"
+    assert cache.variants == 4 and cache.cache_dir == tmp_path / "c"
+    # the store's clip is what the cache returns for a caption it has
+    clip = cache.videos_for(["a red circle"], 0, [0])[0]
+    assert clip.shape == (4, 3, 8, 12) and abs(clip.mean().item() - 0.2) < 0.02
+    plain = OnlineTeacherSpec(kind="folder", path=str(root), variants_per_prompt=1).build()
+    assert plain.fallback is None and plain.variants == 1 and seen == [str(tmp_path / "gen")]
+    assert plain.name == f"folder:{root.resolve()}|None:steps=20,cfg=3.0,shift=1.0"
+
+
+def test_spec_refuses_unknown_kind_and_missing_path():
+    with pytest.raises(ValueError, match="'video'"):
+        OnlineTeacherSpec(kind="video").build()
+    for kind in ("generator", "folder"):
+        with pytest.raises(ValueError, match=f"'{kind}' needs path"):
+            OnlineTeacherSpec(kind=kind).build()
+
+
+def test_cache_over_a_bare_source_uses_its_class_name_and_fallback():
+    """A source with neither ``name`` nor ``prompts`` (an API client): the cache is named after its class, and
+    when it raises UnknownPromptError every prompt of the batch goes to the fallback."""
+    from genrl.data.teacher_videos import UnknownPromptError
+
+    class ApiClient:
+        spec = SPEC
+
+        def videos_for(self, prompts, seed, indices):
+            raise UnknownPromptError("not in the store")
+
+    fallback = _source("fb", 0.5)
+    cache = TeacherCache(ApiClient(), fallback=fallback)
+    assert cache.name == "ApiClient"
+    got = cache.videos_for(["a", "bb"], 2, [0, 1])
+    assert torch.equal(got, fallback.videos_for(["a", "bb"], 2, [0, 1]))
