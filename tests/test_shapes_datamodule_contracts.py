@@ -181,3 +181,24 @@ def test_the_modules_own_hook_runs_after_marking():
     out = dm.on_before_batch_transfer(batch, 3)
     assert out["seen_by_module"] == 3 and out["prompts"] == batch["prompts"]
     assert dm._train_loader.batches_consumed == 1
+
+
+@pytest.mark.parametrize("kind", ["shapes", "prompts", "ode_pairs", "preference_pairs", "teacher_videos"])
+def test_every_stream_datamodule_gives_loggers_its_world(kind):
+    """Every shapes-world data module records its world, as a plain dict of its fields, in ``hparams_initial``
+    (what Lightning's loggers record) as well as in ``hparams`` (checkpoints), with the other arguments."""
+    from genrl.data.ode_pairs import ODEPairsDataModule
+    from genrl.data.preference_pairs import PreferencePairDataModule
+    from genrl.data.prompts import PromptDataModule
+    from genrl.data.teacher_videos import TeacherVideoDataModule
+
+    w = _world()
+    make = {"shapes": lambda: ShapesDataModule(w, batch_size=3),
+            "prompts": lambda: PromptDataModule(world=w, seed=3),
+            "ode_pairs": lambda: ODEPairsDataModule("x.pt", world=w, batch_size=3),
+            "preference_pairs": lambda: PreferencePairDataModule("x", world=w, batch_size=3),
+            "teacher_videos": lambda: TeacherVideoDataModule("x", world=w, seed=3)}[kind]
+    dm = make()
+    assert dm.hparams_initial["world"] == asdict(w) and dm.hparams["world"] == asdict(w)
+    assert dict(dm.hparams_initial) == dict(dm.hparams)
+    assert dm.hparams_initial["batch_size" if "batch_size" in dm.hparams else "seed"] == 3

@@ -50,10 +50,11 @@ source :func:`~genrl.data.prompts.load_prompts` takes (e.g. ``shapes:heldout``).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -371,8 +372,7 @@ class PreferencePairDataModule(ResumableStreamDataModule):
             raise ValueError(f"need source auto | pairs | scores, pairs best_worst | all, tie skip | arbitrary; got "
                              f"{source!r}, {pairs!r}, {tie!r}")
         self.world = as_world(world)
-        self.save_hyperparameters(ignore=["world"])
-        self.hparams["world"] = asdict(self.world)
+        self.save_hyperparameters_with_world(inspect.currentframe())
         self._pairs: list[PreferencePair] | None = None
         self._val_batches: list[dict[str, Any]] | None = None
 

@@ -48,6 +48,7 @@ collides with training.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -445,8 +446,7 @@ class PromptDataModule(ResumableStreamDataModule):
             )
         self.world = as_world(world)
         # hparams keep the world as a plain dict, so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters(ignore=["world"])
-        self.hparams["world"] = asdict(self.world)
+        self.save_hyperparameters_with_world(inspect.currentframe())
         self._train_records: list[PromptRecord] | None = None
         self._val_batches: list[dict[str, Any]] | None = None
 

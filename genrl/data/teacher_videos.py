@@ -78,6 +78,7 @@ from __future__ import annotations
 import csv
 import difflib
 import hashlib
+import inspect
 import io
 import json
 import logging
@@ -85,7 +86,7 @@ import math
 import os
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -1154,8 +1155,7 @@ class TeacherVideoDataModule(ResumableStreamDataModule):
         if val == "store" and holdout == 0:
             raise ValueError("val='store' validates on held-out store prompts: set holdout >= 1")
         self.world = as_world(world)
-        self.save_hyperparameters(ignore=["world"])
-        self.hparams["world"] = asdict(self.world)
+        self.save_hyperparameters_with_world(inspect.currentframe())
         self._store: TeacherVideoStore | None = None
         self._split: tuple[list[PromptRecord], list[PromptRecord]] | None = None
         self._val_batches: list[dict[str, Any]] | None = None
