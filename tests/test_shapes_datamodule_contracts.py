@@ -202,3 +202,101 @@ def test_every_stream_datamodule_gives_loggers_its_world(kind):
     assert dm.hparams_initial["world"] == asdict(w) and dm.hparams["world"] == asdict(w)
     assert dict(dm.hparams_initial) == dict(dm.hparams)
     assert dm.hparams_initial["batch_size" if "batch_size" in dm.hparams else "seed"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- train_dataloader
+def _step_plain(self, batch, batch_idx):
+    return None
+
+
+def _step_iter(self, dataloader_iter):
+    return None
+
+
+def _step_varargs(self, *args):
+    return None
+
+
+def test_train_dataloader_takes_the_trainers_rank_and_tracks_unless_the_step_pulls_batches():
+    """train_dataloader builds this rank's slice (data-parallel rank and size from the strategy) and tracks delivery
+    exactly when the module's training_step takes batches (not an explicit ``dataloader_iter``; ``*args`` is not
+    one); without a Trainer it is rank 0 of 1 and does not track (track_delivery is False, not just falsy)."""
+    dm = ShapesDataModule(world=_world(), batch_size=2)
+    loader = dm.train_dataloader()
+    assert (loader.dataset.rank, loader.dataset.world_size) == (0, 1) and loader.track_delivery is False
+    for step, track in ((_step_plain, True), (_step_iter, False), (_step_varargs, True)):
+        dm = ShapesDataModule(world=_world(), batch_size=2)
+        dm.trainer = SimpleNamespace(datamodule=dm, lightning_module=SimpleNamespace(training_step=step),
+                                     strategy=SimpleNamespace(distributed_sampler_kwargs={"rank": 1,
+                                                                                          "num_replicas": 2}),
+                                     global_rank=1, world_size=2)
+        loader = dm.train_dataloader()
+        assert loader.track_delivery is track, step.__name__
+        assert (loader.dataset.rank, loader.dataset.world_size) == (1, 2)
+        assert next(iter(loader))["index"].tolist() == [1]
+
+
+def test_mark_delivered_ignores_batches_without_an_index():
+    """mark_delivered counts a batch by its first sample index; a batch that is not a dict, a dict without
+    "index" or with an empty index tensor leaves the count unchanged (no error)."""
+    loader = ShapesDataModule(world=_world(), batch_size=2).make_train_loader(track_delivery=True)
+    for batch in ([1, 2], {"prompts": ["a"]}, {"index": torch.zeros(0, dtype=torch.long)}):
+        loader.mark_delivered(batch)
+        assert loader.batches_consumed == 0
+    loader.mark_delivered({"index": torch.tensor([6, 7])})
+    assert loader.batches_consumed == 4
+
+
+def _trainer_for(dm, step=_step_iter):
+    """A stand-in Trainer of one process whose module's training_step is ``step``."""
+    return SimpleNamespace(datamodule=dm, lightning_module=SimpleNamespace(training_step=step),
+                           strategy=SimpleNamespace(distributed_sampler_kwargs=None), global_rank=0, world_size=1)
+
+
+def test_train_dataloader_continues_the_stream_only_within_one_trainer():
+    """A second train_dataloader() for the same Trainer (a loader reload) starts where the first loader stopped; a
+    new Trainer, or no Trainer at all, starts at batch 0 again."""
+    dm = ShapesDataModule(world=_world(), batch_size=2)
+    trainer = _trainer_for(dm)
+    dm.trainer = trainer
+    it = iter(dm.train_dataloader())
+    next(it), next(it)  # two batches consumed (counted as yielded: the step pulls its own batches)
+    assert next(iter(dm.train_dataloader()))["index"].tolist() == [4, 5]  # the reload continues
+    dm.trainer = _trainer_for(dm)  # another run
+    assert next(iter(dm.train_dataloader()))["index"].tolist() == [0, 1]
+    dm = ShapesDataModule(world=_world(), batch_size=2)  # no Trainer
+    it = iter(dm.train_dataloader())
+    next(it), next(it)
+    assert next(iter(dm.train_dataloader()))["index"].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("key", ["batch_size", "sampler", "batch_sampler", "shuffle", "persistent_workers",
+                                 "collate_fn"])
+def test_train_loader_refuses_batching_arguments_it_sets_itself(key):
+    """ShapesTrainLoader batches in its stream: each DataLoader argument that would change batching, order or worker
+    lifetime is refused with a ValueError naming it when set (True or a value), accepted and dropped when None or
+    False. Its own defaults: main process, no delivery tracking."""
+    stream = ShapesDataModule(world=_world(), batch_size=2).make_train_loader().dataset
+    with pytest.raises(ValueError, match=f"does not take {key}=True"):
+        ShapesTrainLoader(stream, **{key: True})
+    for off in (None, False):
+        loader = ShapesTrainLoader(stream, **{key: off})
+        assert next(iter(loader))["index"].tolist() == [0, 1]
+    loader = ShapesTrainLoader(stream)
+    assert loader.num_workers == 0 and loader.track_delivery is False
+
+
+def test_train_loader_counts_only_its_newest_iterator_and_passes_other_arguments():
+    """Without delivery tracking a batch counts when the newest iterator yields it: an iterator made before the
+    latest iter() call still yields but no longer counts (the Trainer's reloads leave stale iterators behind).
+    DataLoader arguments other than the refused ones reach the DataLoader."""
+    stream = ShapesDataModule(world=_world(), batch_size=2).make_train_loader().dataset
+    assert ShapesTrainLoader(stream, timeout=7.0).timeout == 7.0
+    loader = ShapesTrainLoader(stream)
+    old = iter(loader)
+    next(old)
+    assert loader.batches_consumed == 1
+    new = iter(loader)  # starts after the counted batch
+    next(old)
+    assert loader.batches_consumed == 1
+    assert next(new)["index"].tolist() == [2, 3] and loader.batches_consumed == 2

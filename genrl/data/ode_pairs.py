@@ -38,7 +38,6 @@ samples the student on prompts it never regressed on and scores the videos.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -343,7 +342,7 @@ class ODEPairsDataModule(ResumableStreamDataModule):
         if val_batch_size is not None and val_batch_size < 1:
             raise ValueError(f"val_batch_size must be >= 1 or null, got {val_batch_size}")
         self.world = as_world(world)
-        self.save_hyperparameters_with_world(inspect.currentframe())
+        self.save_hyperparameters_with_world()
         self._pairs: ODEPairs | None = None
         self._val_batches: list[dict[str, Any]] | None = None
 

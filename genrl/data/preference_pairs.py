@@ -50,7 +50,6 @@ source :func:`~genrl.data.prompts.load_prompts` takes (e.g. ``shapes:heldout``).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -372,7 +371,7 @@ class PreferencePairDataModule(ResumableStreamDataModule):
             raise ValueError(f"need source auto | pairs | scores, pairs best_worst | all, tie skip | arbitrary; got "
                              f"{source!r}, {pairs!r}, {tie!r}")
         self.world = as_world(world)
-        self.save_hyperparameters_with_world(inspect.currentframe())
+        self.save_hyperparameters_with_world()
         self._pairs: list[PreferencePair] | None = None
         self._val_batches: list[dict[str, Any]] | None = None
 

@@ -48,7 +48,6 @@ collides with training.
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -446,7 +445,7 @@ class PromptDataModule(ResumableStreamDataModule):
             )
         self.world = as_world(world)
         # hparams keep the world as a plain dict, so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters_with_world(inspect.currentframe())
+        self.save_hyperparameters_with_world()
         self._train_records: list[PromptRecord] | None = None
         self._val_batches: list[dict[str, Any]] | None = None
 

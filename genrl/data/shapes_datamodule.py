@@ -37,9 +37,7 @@ DataModule's hook; this DataModule calls the module's hook itself, so behaviour 
 from __future__ import annotations
 
 import abc
-import inspect
 from dataclasses import asdict
-from types import FrameType
 from typing import Any
 
 import torch
@@ -242,17 +240,16 @@ class ResumableStreamDataModule(LightningDataModule, metaclass=abc.ABCMeta):
         self._loader_trainer: Any = None  # the Trainer the current train loader was built for
         self._resume_from: int | None = None  # set by load_state_dict
 
-    def save_hyperparameters_with_world(self, frame: FrameType | None) -> None:
-        """Save the arguments of the ``__init__`` running in ``frame`` as hyperparameters, ``world`` as a plain dict.
+    def save_hyperparameters_with_world(self) -> None:
+        """Save the calling ``__init__``'s arguments as hyperparameters, ``world`` as a plain dict.
 
-        ``self.world`` (a :class:`~genrl.data.shapes.ShapesWorldConfig`, set before the call) is stored as
-        ``asdict(self.world)`` in both ``hparams`` (so checkpoints load with ``torch.load(weights_only=True)``) and
-        ``hparams_initial`` (what Lightning's loggers record), never the dataclass itself.
-
-        Args:
-            frame: the subclass ``__init__``'s frame (``inspect.currentframe()``), whose arguments are collected.
+        Call it from a subclass ``__init__`` after setting ``self.world`` (a
+        :class:`~genrl.data.shapes.ShapesWorldConfig`): Lightning collects the arguments of the ``__init__`` frames
+        above this call, and the world is stored as ``asdict(self.world)`` in both ``hparams`` (so checkpoints load
+        with ``torch.load(weights_only=True)``) and ``hparams_initial`` (what Lightning's loggers record), never the
+        dataclass or the raw argument.
         """
-        self.save_hyperparameters(ignore=["world"], frame=frame)
+        self.save_hyperparameters()
         self.save_hyperparameters({**self.hparams, "world": asdict(self.world)})
 
     @abc.abstractmethod
@@ -337,7 +334,7 @@ class ShapesDataModule(ResumableStreamDataModule):
             raise ValueError(f"unknown split {split!r}; use one of {', '.join(_SPLITS)}")
         self.world = as_world(world)
         # hparams keep the world as a plain dict, so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters_with_world(inspect.currentframe())
+        self.save_hyperparameters_with_world()
         self._val_batches: list[dict[str, Any]] | None = None
 
     def make_train_loader(

@@ -78,7 +78,6 @@ from __future__ import annotations
 import csv
 import difflib
 import hashlib
-import inspect
 import io
 import json
 import logging
@@ -1155,7 +1154,7 @@ class TeacherVideoDataModule(ResumableStreamDataModule):
         if val == "store" and holdout == 0:
             raise ValueError("val='store' validates on held-out store prompts: set holdout >= 1")
         self.world = as_world(world)
-        self.save_hyperparameters_with_world(inspect.currentframe())
+        self.save_hyperparameters_with_world()
         self._store: TeacherVideoStore | None = None
         self._split: tuple[list[PromptRecord], list[PromptRecord]] | None = None
         self._val_batches: list[dict[str, Any]] | None = None
