@@ -10,14 +10,12 @@ the loader tests use 8-frame 16x16 clips written with ``write_video``.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import locale
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from locale_util import ascii_locale
 from torch.utils.data import DataLoader
 
 from genrl.data.video_folder import (
@@ -57,19 +55,6 @@ def clip_dir(tmp_path_factory) -> Path:
     return root
 
 
-@contextlib.contextmanager
-def _ascii_locale():
-    """Run the body with LC_CTYPE = "C", where text files opened without an encoding decode as ASCII."""
-    if sys.flags.utf8_mode:
-        pytest.skip("Python UTF-8 mode: the locale encoding is always UTF-8")
-    old = locale.setlocale(locale.LC_CTYPE)
-    try:
-        locale.setlocale(locale.LC_CTYPE, "C")
-        if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
-            pytest.skip("the C locale of this platform is UTF-8")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, old)
 
 
 # --------------------------------------------------------------------------- extensions
@@ -225,7 +210,7 @@ def test_captions_are_read_as_utf8_whatever_the_locale(tmp_path):
         json.dumps({"file": "indexed.mp4", "caption": "über 🎥"}, ensure_ascii=False).encode() + b"\n")
     (tmp_path / "metadata.jsonl").write_bytes(
         json.dumps({"file": "other.mp4", "caption": "ñ"}, ensure_ascii=False).encode() + b"\n")
-    with _ascii_locale():
+    with ascii_locale():
         with pytest.raises(UnicodeDecodeError):  # the locale default really is not UTF-8 here
             (tmp_path / "side.txt").read_text()
         dm = VideoFolderDataModule(str(tmp_path))

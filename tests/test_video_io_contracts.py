@@ -19,10 +19,7 @@ count or rate); the torch-bridge and write_video tests read back tiny clips writ
 
 from __future__ import annotations
 
-import contextlib
-import locale
 import math
-import sys
 from pathlib import Path
 
 import decord
@@ -30,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from locale_util import ascii_locale
 
 from genrl.data.video_io import (
     VideoReadError,
@@ -441,19 +439,6 @@ def test_write_video_muxes_packets_produced_while_encoding(tmp_path):
 # --------------------------------------------------------------------------- write_json
 
 
-@contextlib.contextmanager
-def _ascii_locale():
-    """Run the body with LC_CTYPE = "C", where text files opened without an encoding encode as ASCII."""
-    if sys.flags.utf8_mode:
-        pytest.skip("Python UTF-8 mode: the locale encoding is always UTF-8")
-    old = locale.setlocale(locale.LC_CTYPE)
-    try:
-        locale.setlocale(locale.LC_CTYPE, "C")
-        if locale.getpreferredencoding(False).lower().replace("-", "") == "utf8":
-            pytest.skip("the C locale of this platform is UTF-8")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, old)
 
 
 def test_write_json_default_layout_keeps_key_order_and_unicode(tmp_path):
@@ -468,7 +453,7 @@ def test_write_json_default_layout_keeps_key_order_and_unicode(tmp_path):
 
 def test_write_json_is_utf8_whatever_the_locale(tmp_path):
     """The file is UTF-8 even where the locale's encoding is ASCII (LC_CTYPE = "C")."""
-    with _ascii_locale():
+    with ascii_locale():
         path = write_json(tmp_path / "c.json", {"caption": "café ☕"}, indent=None)
     assert path.read_bytes() == '{"caption": "café ☕"}\n'.encode()
 
