@@ -1,0 +1,127 @@
+"""GRPO's per-step loss contracts (genrl/methods/grpo.py; issue 51, mutation survivors of ``step_loss`` and the
+reference velocity): GRPO-Guard's ``scale: step`` divides the step's loss by exactly |delta sigma| = sigma_k -
+sigma_{k+1} of the trained step, the rollout's stored mean is moved to the policy's device, and the reference
+policy of the KL term runs in the same network calls (the rollout's ``micro_batch_size`` and ``batching``) as the
+policy.
+
+A closed-form stub generator (v = a x + len(prompt)) keeps each test well under a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from genrl.methods.grpo import GRPO
+from genrl.models.text_encoder import Conditioning
+from genrl.rollout import RolloutConfig, rollout
+from genrl.rollout.sampler import call_plan, encode_cfg
+
+SHAPE = (1, 2, 2, 2)  # per-sample latent [T, C, H, W]
+PROMPTS = ["ab", "abcd", "abcdefg", "abc", "abcdef"]
+
+
+class _Net(nn.Module):
+    def __init__(self, a: float) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.tensor(float(a)))
+
+
+class _StubGen(nn.Module):
+    """v(x, sigma, prompt) = a x + len(prompt); records the row count of every network call."""
+
+    def __init__(self, a: float = 1.0) -> None:
+        super().__init__()
+        self.transformer = _Net(a)
+        self.call_rows: list[int] = []
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        h = torch.tensor([float(len(p)) for p in prompts]).reshape(-1, 1, 1)
+        return Conditioning(h, torch.ones(len(prompts), 1, dtype=torch.bool), list(prompts))
+
+    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        self.call_rows.append(int(x.shape[0]))
+        c = cond.hidden_states[:, 0, 0].to(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
+        return self.transformer.a * x + c
+
+
+def _trajectory(config: RolloutConfig, record_moments: bool = False):
+    gen = _StubGen(a=1.0)
+    traj = rollout(gen, PROMPTS, SHAPE, seed=3, config=config, record_moments=record_moments)
+    with torch.no_grad():
+        gen.transformer.a.fill_(0.9)  # the policy has moved away from the rollout's
+    cond, uncond = encode_cfg(gen, traj.prompts, config)
+    return gen, traj, cond, uncond
+
+
+def test_guard_scale_step_divides_the_loss_by_the_trained_steps_sigma_decrement():
+    """Catches a wrong step length in GRPO's StepMoments (sigma_k + sigma_{k+1}, sigma_k - sigma_{k-1},
+    sigma_k - sigma_{k+2}, or none): with ``policy_loss_args: {scale: step}`` the loss of step k is the unscaled
+    GRPO-Guard loss divided by sigma_k - sigma_{k+1} of the trajectory's grid (shifted, so the decrements differ)."""
+    config = RolloutConfig(num_steps=4, kernel="dance_grpo", noise_level=0.5, cfg_scale=1.0, shift=3.0,
+                           micro_batch_size=5)
+    gen, traj, cond, uncond = _trajectory(config, record_moments=True)
+    adv = torch.tensor([1.5, -0.5, 0.75, -2.0, 0.25])
+    sig = traj.sigmas.double()
+    assert len({round(float(sig[i] - sig[i + 1]), 6) for i in range(4)}) == 4  # the decrements all differ
+    for k in (1, 2):
+        losses = {}
+        for scale in ("none", "step"):
+            m = GRPO(rollout=config, policy_loss="guard", policy_loss_args={"scale": scale}, clip_range=0.05)
+            m.roles.trainable("generator", gen)
+            losses[scale] = float(m.step_loss(traj, k, cond, uncond, adv)[0].detach())
+        assert losses["none"] != 0.0
+        step = float(traj.sigmas[k] - traj.sigmas[k + 1])  # the decrement in the grid's own dtype
+        assert losses["step"] == pytest.approx(losses["none"] / step, rel=1e-4), k  # float32 losses
+
+
+class _DeviceRecorder:
+    """Stands for the trajectory's stored rollout mean (kept on the CPU): records where ``.to`` moves it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.moved_to = tensor, []
+
+    def to(self, device=None, *args, **kwargs):
+        self.moved_to.append(device)
+        return self.tensor.to(device, *args, **kwargs)
+
+
+def test_the_rollout_mean_is_moved_to_the_policy_means_device():
+    """Catches ``old_mean.to(None)``: the trajectory stores its step means on the CPU, so on a GPU run the rollout
+    mean must be moved to the device of the policy's mean before GRPO-Guard's divergence subtracts them (else a
+    device-mismatch error). Checked in process by recording where step_loss moves it."""
+    config = RolloutConfig(num_steps=3, kernel="dance_grpo", noise_level=0.5, cfg_scale=1.0, micro_batch_size=5)
+    gen, traj, cond, uncond = _trajectory(config, record_moments=True)
+    stored = traj.step_moments(1)
+    recorder = _DeviceRecorder(stored[0])
+    traj.step_moments = lambda k: (recorder, stored[1])
+    m = GRPO(rollout=config, policy_loss="guard")
+    m.roles.trainable("generator", gen)
+    loss = m.step_loss(traj, 1, cond, uncond, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0]))[0]
+    assert recorder.moved_to == [torch.device("cpu")] and torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("batching", ["fast", "bucketed"])
+def test_the_kl_reference_runs_in_the_rollouts_network_calls(batching):
+    """Catches the reference velocity of the KL term evaluated with the default ``fixed`` batching instead of the
+    rollout's: its network calls must follow call_plan(n, micro_batch_size, batching), as the policy's do, so the two
+    velocities of a row come from calls of the same shape (bitwise comparable)."""
+    config = RolloutConfig(num_steps=3, kernel="dance_grpo", noise_level=0.4, cfg_scale=1.0, micro_batch_size=4,
+                           batching=batching)
+    gen, traj, cond, uncond = _trajectory(config)
+    m = GRPO(rollout=config, kl_beta=0.1)
+    m.roles.trainable("generator", gen)
+    m.roles.reference_copy(gen)
+    sig = traj.sigmas.float()
+    gen.call_rows.clear()
+    with torch.no_grad(), m.roles.reference(gen) as ref:
+        ref.call_rows.clear()
+        m._reference_velocity(traj.latents[:, 1], sig[1].expand(len(PROMPTS)), cond, uncond, 1.0)
+        rows = list(ref.call_rows)
+    want = [len(padded) for _, padded in call_plan(len(PROMPTS), 4, batching)]
+    assert rows == want and want != [len(p) for _, p in call_plan(len(PROMPTS), 4, "fixed")]
