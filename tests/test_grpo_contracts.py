@@ -1,6 +1,6 @@
 """GRPO's per-step loss contracts (genrl/methods/grpo.py; issue 51, mutation survivors of ``step_loss`` and the
 reference velocity): GRPO-Guard's ``scale: step`` divides the step's loss by exactly |delta sigma| = sigma_k -
-sigma_{k+1} of the trained step, the rollout's stored mean is moved to the policy's device, and the reference
+sigma_{k+1} of the trained step, the stored rollout tensors are moved to the policy's device, and the reference
 policy of the KL term runs in the same network calls (the rollout's ``micro_batch_size`` and ``batching``) as the
 policy.
 
@@ -81,29 +81,48 @@ def test_guard_scale_step_divides_the_loss_by_the_trained_steps_sigma_decrement(
 
 
 class _DeviceRecorder:
-    """Stands for the trajectory's stored rollout mean (kept on the CPU): records where ``.to`` moves it."""
+    """Stands for a stored rollout tensor (the trajectory keeps them on the CPU): records every device ``.to`` is
+    asked for, by this tensor or by a row / column of it (``[...]`` returns a recorder sharing the log)."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.moved_to = tensor, []
+    def __init__(self, tensor: torch.Tensor, log: list | None = None) -> None:
+        self.tensor, self.moved_to = tensor, ([] if log is None else log)
+
+    def __getitem__(self, index):
+        return _DeviceRecorder(self.tensor[index], self.moved_to)
+
+    def numel(self) -> int:
+        return self.tensor.numel()
 
     def to(self, device=None, *args, **kwargs):
         self.moved_to.append(device)
         return self.tensor.to(device, *args, **kwargs)
 
 
-def test_the_rollout_mean_is_moved_to_the_policy_means_device():
-    """Catches ``old_mean.to(None)``: the trajectory stores its step means on the CPU, so on a GPU run the rollout
-    mean must be moved to the device of the policy's mean before GRPO-Guard's divergence subtracts them (else a
-    device-mismatch error). Checked in process by recording where step_loss moves it."""
+def test_step_loss_moves_every_stored_rollout_tensor_to_the_policys_device():
+    """Catches ``.to(None)`` on the tensors step_loss reads from the trajectory or the caller: the trajectory stores
+    its latents, log-probs and step means on the CPU, and the advantages come from the CPU, so on a GPU run each must
+    be moved to the device of the policy's log-prob / velocity before the loss combines them (else a device-mismatch
+    error, which no CPU run shows). Checked in process by recording where step_loss moves each (GRPO-Guard with the
+    KL term, so every one of them is read)."""
     config = RolloutConfig(num_steps=3, kernel="dance_grpo", noise_level=0.5, cfg_scale=1.0, micro_batch_size=5)
     gen, traj, cond, uncond = _trajectory(config, record_moments=True)
     stored = traj.step_moments(1)
-    recorder = _DeviceRecorder(stored[0])
-    traj.step_moments = lambda k: (recorder, stored[1])
-    m = GRPO(rollout=config, policy_loss="guard")
+    mean = _DeviceRecorder(stored[0])
+    traj.step_moments = lambda k: (mean, stored[1])
+    log_probs, latents = _DeviceRecorder(traj.log_probs), _DeviceRecorder(traj.latents)
+    traj.log_probs, traj.latents = log_probs, latents
+    adv = _DeviceRecorder(torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0]))
+    m = GRPO(rollout=config, policy_loss="guard", kl_beta=0.1)
     m.roles.trainable("generator", gen)
-    loss = m.step_loss(traj, 1, cond, uncond, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0]))[0]
-    assert recorder.moved_to == [torch.device("cpu")] and torch.isfinite(loss)
+    m.roles.reference_copy(gen)  # the reference keeps a = 0.9
+    with torch.no_grad():
+        gen.transformer.a.fill_(0.8)
+    loss, stats = m.step_loss(traj, 1, cond, uncond, adv)
+    cpu = torch.device("cpu")
+    assert mean.moved_to == [cpu] and log_probs.moved_to == [cpu] and adv.moved_to == [cpu]
+    # transition_log_prob reads x_k and x_{k+1}, the KL term x_k again
+    assert latents.moved_to == [cpu, cpu, cpu]
+    assert torch.isfinite(loss) and float(stats["kl"]) > 0
 
 
 @pytest.mark.parametrize("batching", ["fast", "bucketed"])
