@@ -93,6 +93,9 @@ class _DeviceRecorder:
     def numel(self) -> int:
         return self.tensor.numel()
 
+    def __float__(self) -> float:
+        return float(self.tensor)
+
     def to(self, device=None, *args, **kwargs):
         self.moved_to.append(device)
         return self.tensor.to(device, *args, **kwargs)
@@ -102,27 +105,54 @@ def test_step_loss_moves_every_stored_rollout_tensor_to_the_policys_device():
     """Catches ``.to(None)`` on the tensors step_loss reads from the trajectory or the caller: the trajectory stores
     its latents, log-probs and step means on the CPU, and the advantages come from the CPU, so on a GPU run each must
     be moved to the device of the policy's log-prob / velocity before the loss combines them (else a device-mismatch
-    error, which no CPU run shows). Checked in process by recording where step_loss moves each (GRPO-Guard with the
-    KL term, so every one of them is read)."""
+    error, which no CPU run shows). Checked in process by recording where step_loss moves each: the step means with
+    GRPO-Guard, the rest with the clipped loss and the Gaussian KL term (which reads the latents and the grid)."""
     config = RolloutConfig(num_steps=3, kernel="dance_grpo", noise_level=0.5, cfg_scale=1.0, micro_batch_size=5)
     gen, traj, cond, uncond = _trajectory(config, record_moments=True)
     stored = traj.step_moments(1)
     mean = _DeviceRecorder(stored[0])
     traj.step_moments = lambda k: (mean, stored[1])
     log_probs, latents = _DeviceRecorder(traj.log_probs), _DeviceRecorder(traj.latents)
-    traj.log_probs, traj.latents = log_probs, latents
+    sigmas = _DeviceRecorder(traj.sigmas)
+    traj.log_probs, traj.latents, traj.sigmas = log_probs, latents, sigmas
     adv = _DeviceRecorder(torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0]))
-    m = GRPO(rollout=config, policy_loss="guard", kl_beta=0.1)
+    m = GRPO(rollout=config, policy_loss="clipped", kl_beta=0.1, kl_kind="gaussian")
     m.roles.trainable("generator", gen)
     m.roles.reference_copy(gen)  # the reference keeps a = 0.9
     with torch.no_grad():
         gen.transformer.a.fill_(0.8)
     loss, stats = m.step_loss(traj, 1, cond, uncond, adv)
     cpu = torch.device("cpu")
-    assert mean.moved_to == [cpu] and log_probs.moved_to == [cpu] and adv.moved_to == [cpu]
+    assert log_probs.moved_to == [cpu] and adv.moved_to == [cpu] and mean.moved_to == []
     # transition_log_prob reads x_k and x_{k+1}, the KL term x_k again
     assert latents.moved_to == [cpu, cpu, cpu]
+    assert sigmas.moved_to == [cpu, cpu]  # transition_log_prob's grid, the KL term's grid
+    traj.sigmas = sigmas.tensor  # GRPO-Guard subtracts two grid entries
+    guard = GRPO(rollout=config, policy_loss="guard")
+    guard.roles.trainable("generator", gen)
+    guard.step_loss(traj, 1, cond, uncond, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0]))
+    assert mean.moved_to == [cpu]
     assert torch.isfinite(loss) and float(stats["kl"]) > 0
+
+
+def test_the_gaussian_kl_is_exactly_zero_when_the_policy_is_the_reference():
+    """Catches the KL's reference mean computed on another grid than the rollout's transition: with the Flow-GRPO
+    kernel (whose sigma = 1 step uses sigma_at_one = sigma_1 of the trajectory) and the grid in float32 as the
+    rollout's, a policy equal to its reference has a Gaussian KL of exactly 0 at every step, the first included
+    (sigma_at_one = sigma_2 there, or the grid left in float64, gives a KL > 0). The returned stats' ``loss`` is the
+    returned loss."""
+    config = RolloutConfig(num_steps=4, kernel="flow_grpo", noise_level=0.7, cfg_scale=1.0, shift=3.0,
+                           micro_batch_size=5)
+    gen, traj, cond, uncond = _trajectory(config)
+    m = GRPO(rollout=config, kl_beta=0.1, kl_kind="gaussian")
+    m.roles.trainable("generator", gen)
+    m.roles.reference_copy(gen)  # the same weights as the policy
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0])
+    for k in traj.sde_steps:
+        loss, stats = m.step_loss(traj, k, cond, uncond, adv)
+        assert float(stats["kl"]) == 0.0, k
+        assert float(stats["loss"]) == float(loss.detach()), k
+    assert 0 in traj.sde_steps
 
 
 @pytest.mark.parametrize("batching", ["fast", "bucketed"])
