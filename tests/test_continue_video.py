@@ -70,8 +70,9 @@ def test_shapes_history_is_continued_exactly_as_history_rollout_in_any_batching(
     rule = HistoryGuidance("fractional", scale=3.0)  # the flags' defaults: DFoT's k_H 0.4 and stabilization 0.02
     want, calls = _reference(prompts, pixels, rule, 12, 2)
     assert want.shape == (3, 12, 3, 16, 16)
-    for r, video in zip(records, want, strict=True):  # other batch sizes: float rounding of the matmuls only
-        torch.testing.assert_close(written[r["file"]], video, atol=1e-5, rtol=0)
+    # other batch sizes: float32 rounding of the matmuls only (up to 1.1e-5 seen with torch 2.14 on an AVX-512 CPU)
+    for r, video in zip(records, want, strict=True):
+        torch.testing.assert_close(written[r["file"]], video, atol=5e-5, rtol=0)
         torch.testing.assert_close(written[r["file"]][:4], pixels[r["index"]], atol=1e-6, rtol=0)  # history kept
     # 2 windows (each 4 new frames) of 3 views x 2 steps, over 8 generated frames
     assert calls == pytest.approx(2 * 3 * 2 / 8) and records[0]["calls_per_frame"] == pytest.approx(calls)

@@ -115,7 +115,8 @@ def test_centre_over_the_batch_and_each_option(tmp_path, monkeypatch, tiny_polic
     args = (0.6, 5, 1)
     whole = model.implicit_rewards(x0, keys, cond, [torch.arange(6)], *args)
     split = model.implicit_rewards(x0, keys, cond, [torch.tensor([i]) for i in range(6)], *args)
-    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
+    # float32 rounding of other micro-batch shapes: differences of O(1) error ratios, 2.4e-7 seen (torch 2.14, AVX-512)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
     e, v, u = model.errors(x0, keys, cond, *args, ("theta", "old_policy", "reference"))
     w = {k: (v[k] - u).abs().flatten(1).mean(1) for k in v}
     r = -(e["theta"] / w["theta"] - e["old_policy"] / w["old_policy"]).detach()
