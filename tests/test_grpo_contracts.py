@@ -4,17 +4,17 @@ sigma_{k+1} of the trained step, the stored rollout tensors are moved to the pol
 policy of the KL term runs in the same network calls (the rollout's ``micro_batch_size`` and ``batching``) as the
 policy.
 
-A closed-form stub generator (v = a x + len(prompt)) keeps each test well under a second.
+The closed-form stub generator of tests/stub_generator_util.py (v = a x + len(prompt)) keeps each test well under
+a second.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from stub_generator_util import StubGen
 
 from genrl.methods.grpo import GRPO
-from genrl.models.text_encoder import Conditioning
 from genrl.rollout import RolloutConfig, rollout
 from genrl.rollout.sampler import call_plan, encode_cfg
 
@@ -22,36 +22,8 @@ SHAPE = (1, 2, 2, 2)  # per-sample latent [T, C, H, W]
 PROMPTS = ["ab", "abcd", "abcdefg", "abc", "abcdef"]
 
 
-class _Net(nn.Module):
-    def __init__(self, a: float) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.tensor(float(a)))
-
-
-class _StubGen(nn.Module):
-    """v(x, sigma, prompt) = a x + len(prompt); records the row count of every network call."""
-
-    def __init__(self, a: float = 1.0) -> None:
-        super().__init__()
-        self.transformer = _Net(a)
-        self.call_rows: list[int] = []
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        h = torch.tensor([float(len(p)) for p in prompts]).reshape(-1, 1, 1)
-        return Conditioning(h, torch.ones(len(prompts), 1, dtype=torch.bool), list(prompts))
-
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        self.call_rows.append(int(x.shape[0]))
-        c = cond.hidden_states[:, 0, 0].to(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
-        return self.transformer.a * x + c
-
-
 def _trajectory(config: RolloutConfig, record_moments: bool = False):
-    gen = _StubGen(a=1.0)
+    gen = StubGen(a=1.0)
     traj = rollout(gen, PROMPTS, SHAPE, seed=3, config=config, record_moments=record_moments)
     with torch.no_grad():
         gen.transformer.a.fill_(0.9)  # the policy has moved away from the rollout's
@@ -167,10 +139,9 @@ def test_the_kl_reference_runs_in_the_rollouts_network_calls(batching):
     m.roles.trainable("generator", gen)
     m.roles.reference_copy(gen)
     sig = traj.sigmas.float()
-    gen.call_rows.clear()
     with torch.no_grad(), m.roles.reference(gen) as ref:
-        ref.call_rows.clear()
+        ref.calls.clear()
         m._reference_velocity(traj.latents[:, 1], sig[1].expand(len(PROMPTS)), cond, uncond, 1.0)
-        rows = list(ref.call_rows)
+        rows = [n for n, _, _ in ref.calls]
     want = [len(padded) for _, padded in call_plan(len(PROMPTS), 4, batching)]
     assert rows == want and want != [len(p) for _, p in call_plan(len(PROMPTS), 4, "fixed")]

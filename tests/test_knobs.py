@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
+from stub_generator_util import StubGen
 
 from genrl.flow import TimestepSampler, clipped_policy_loss, sde_step, shift_sigmas, sigma_schedule, step_mean_std
 from genrl.flow.forward_rl import ForwardRLObjective, sample_mse, sample_timesteps
@@ -22,7 +22,6 @@ from genrl.flow.sde import step_log_prob
 from genrl.flow.tree_advantages import fuse_rewards
 from genrl.methods.common import ode_validation_config
 from genrl.models.lora import DIT_LORA_TARGETS, LoraSpec
-from genrl.models.text_encoder import Conditioning
 from genrl.rewards import RewardManager, RewardModel, per_reward_advantages, register_reward
 from genrl.rollout import RolloutConfig, rollout, sde_mask, transition_log_prob
 from genrl.rollout.sampler import encode_cfg, guided_velocity
@@ -35,41 +34,6 @@ HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = F64) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-# ---------------------------------------------------------------------------------------------- a generator stub
-class _Net(nn.Module):
-    """The stub's "transformer": one scalar weight ``a`` (a frozen copy of it is a reference policy)."""
-
-    def __init__(self, a: float) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.tensor(float(a)))
-
-
-class _StubGen(nn.Module):
-    """A Generator with a closed-form velocity: v(x, sigma, prompt) = a x + len(prompt) (the empty prompt gives 0).
-
-    Records every velocity call (rows, sigma, prompts) and every encoded prompt list."""
-
-    def __init__(self, a: float = 1.0) -> None:
-        super().__init__()
-        self.transformer = _Net(a)
-        self.calls: list[tuple[int, torch.Tensor, list[str]]] = []
-        self.encoded: list[list[str]] = []
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        self.encoded.append(list(prompts))
-        h = torch.tensor([float(len(p)) for p in prompts]).reshape(-1, 1, 1)
-        return Conditioning(h, torch.ones(len(prompts), 1, dtype=torch.bool), list(prompts))
-
-    def velocity(self, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        self.calls.append((x.shape[0], sigma.detach().clone(), list(cond.prompts)))
-        c = cond.hidden_states[:, 0, 0].to(x.dtype).reshape(-1, *([1] * (x.ndim - 1)))
-        return self.transformer.a * x + c
 
 
 def _guided_offset(prompts: list[str], null_prompt: str, w: float) -> torch.Tensor:
@@ -151,7 +115,7 @@ PROMPTS = ["ab", "abcd", "abcdefg", "abc", "abcdef"]  # c = 2, 4, 7, 3, 6
 def test_guided_velocity_is_uncond_plus_w_times_difference_in_micro_batches():
     """guided_velocity cfg_scale w: v = v_u + w (v_c - v_u), linear in w; w = 1 is the conditional velocity exactly
     (no unconditional call); micro_batch_size: every network call has exactly that many rows (x2 under CFG)."""
-    gen = _StubGen(a=0.5)
+    gen = StubGen(a=0.5)
     x = _randn(5, *SHAPE, seed=1).float()
     sigma = torch.full((5,), 0.6)
     cond = gen.encode_prompts(PROMPTS)
@@ -177,7 +141,7 @@ def test_rollout_passes_cfg_scale_and_null_prompt_through():
     with a = 1 one Euler step from sigma 1 to 0 lands exactly on -(u + w (c - u)) whatever the noise."""
     finals = {}
     for w, null in ((1.0, "x"), (2.0, "x"), (3.5, "x"), (3.5, "xyz")):
-        gen = _StubGen(a=1.0)
+        gen = StubGen(a=1.0)
         config = RolloutConfig(num_steps=1, kernel="ode", cfg_scale=w, null_prompt=null, micro_batch_size=2)
         traj = rollout(gen, PROMPTS, SHAPE, seed=3, config=config)
         expected = -_guided_offset(PROMPTS, null, w).expand(5, *SHAPE)
@@ -191,7 +155,7 @@ def test_rollout_passes_cfg_scale_and_null_prompt_through():
 
 def test_transition_log_prob_uses_the_rollouts_cfg_scale_unless_overridden():
     """transition_log_prob cfg_scale: default is the rollout's w, an explicit cfg_scale replaces it (closed form)."""
-    gen = _StubGen(a=0.5)
+    gen = StubGen(a=0.5)
     config = RolloutConfig(num_steps=3, kernel="dance_grpo", noise_level=0.4, cfg_scale=3.0, null_prompt="x",
                            micro_batch_size=4)
     traj = rollout(gen, PROMPTS, SHAPE, seed=5, config=config)
@@ -235,7 +199,7 @@ def test_rollout_sigmas_and_steps_follow_the_config_shift():
     """RolloutConfig shift: sigma_k = s t_k / (1 + (s - 1) t_k), t_k = 1 - k / S; the network sees those sigmas and
     each Euler step moves by (sigma_{k+1} - sigma_k) v; shift 1 is the plain linspace; ``schedule`` replaces it."""
     for s in (1.0, 3.0, 0.4):
-        gen = _StubGen(a=1.0)
+        gen = StubGen(a=1.0)
         config = RolloutConfig(num_steps=4, shift=s, kernel="ode", micro_batch_size=8)
         traj = rollout(gen, PROMPTS[:2], SHAPE, seed=1, config=config)
         torch.testing.assert_close(traj.sigmas, _shifted(4, s), rtol=0, atol=1e-15)
@@ -250,7 +214,7 @@ def test_rollout_sigmas_and_steps_follow_the_config_shift():
     explicit = [0.9, 0.6, 0.2, 0.0]
     assert torch.equal(RolloutConfig(num_steps=3, shift=5.0, schedule=explicit).sigmas(),
                        torch.tensor(explicit, dtype=F64))
-    tree = tree_rollout(_StubGen(), PROMPTS[:1], SHAPE, seed=0, config=RolloutConfig(num_steps=3, shift=2.0,
+    tree = tree_rollout(StubGen(), PROMPTS[:1], SHAPE, seed=0, config=RolloutConfig(num_steps=3, shift=2.0,
                         kernel="dance_grpo", noise_level=0.3), tree=TreeConfig(split_steps=[0]))
     torch.testing.assert_close(tree.sigmas, _shifted(3, 2.0), rtol=0, atol=1e-15)
 
@@ -293,7 +257,7 @@ def test_rollout_passes_the_noise_level_to_every_stochastic_step():
     sample is mean + std * the recorded noise."""
     for kind, level in (("dance_grpo", 0.45), ("flow_grpo", 1.1)):
         config = RolloutConfig(num_steps=4, shift=2.0, kernel=kind, noise_level=level, micro_batch_size=4)
-        traj = rollout(_StubGen(a=0.5), PROMPTS[:3], SHAPE, seed=2, config=config, record_moments=True)
+        traj = rollout(StubGen(a=0.5), PROMPTS[:3], SHAPE, seed=2, config=config, record_moments=True)
         sig = traj.sigmas.float().double()
         for k in range(4):
             if not bool(traj.sde_mask[k]):
@@ -331,7 +295,7 @@ def test_tree_split_noise_scale_scales_the_split_deviation():
     config = RolloutConfig(num_steps=3, kernel="dance_grpo", noise_level=0.5, micro_batch_size=4)
 
     def grow(**kw):
-        return tree_rollout(_StubGen(a=1.0), ["abc"], SHAPE, seed=4, config=config,
+        return tree_rollout(StubGen(a=1.0), ["abc"], SHAPE, seed=4, config=config,
                             tree=TreeConfig(split_steps=[0], branch_factor=2, **kw))
 
     one, three, ref3 = grow(), grow(split_noise_scale=3.0), grow(split_noise_scale=3.0, reference_split_log_prob=True)
@@ -388,7 +352,7 @@ def _grpo_setup(kind: str, betas: tuple[float, ...]):
 
     config = RolloutConfig(num_steps=3, kernel="dance_grpo", noise_level=0.4, cfg_scale=2.0, null_prompt="x",
                            micro_batch_size=4)
-    gen = _StubGen(a=1.0)
+    gen = StubGen(a=1.0)
     methods = []
     for beta in betas:
         m = GRPO(rollout=config, kl_beta=beta, kl_kind=kind, clip_range=0.02, clip_range_high=0.05, adv_clip_max=1.5)
@@ -593,7 +557,7 @@ def test_window_starts_cover_exactly_the_documented_range():
                           window_start=0, window_end=4)
     seen = set()
     for rid in range(6):
-        traj = rollout(_StubGen(), PROMPTS[:2], SHAPE, seed=1, config=small, rollout_id=rid)
+        traj = rollout(StubGen(), PROMPTS[:2], SHAPE, seed=1, config=small, rollout_id=rid)
         mask = sde_mask(small, 1, rid)
         seen.add(tuple(mask.tolist()))
         assert torch.equal(traj.sde_mask, mask)
